@@ -1,0 +1,101 @@
+"""EngineConfig: every engine knob in one place, validated once."""
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from nanoengine.attention import resolve_backend
+from nanoengine.sampling_params import check_number
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None  # None = sized from memory (see below)
+    gpu_memory_utilization: float = 0.9  # on a GPU: the fraction of its memory the engine may use
+    cpu_kvcache_space_gib: float = 4.0  # on the CPU: the KV cache's size in GiB
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0  # 0 = no per-request cap below the step budget
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs
+    tensor_parallel_size: int = 1
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False, repr=False)
+
+    @classmethod
+    def from_options(cls, model: str, options: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) for LLM: {', '.join(unknown)}")
+        return cls(model=model, **options)
+
+    def __post_init__(self):
+        if not isinstance(self.model, str | os.PathLike):
+            raise TypeError(f"model must be a path to a Hugging Face model folder, got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise FileNotFoundError(f"model: no config.json in {self.model!r}")
+        self.tokenizer = self.tokenizer or self.model
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.device = self.resolved_device()
+        self.torch_dtype = self.resolved_dtype()
+        self.max_model_len = self.resolved_max_model_len()
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
+            check_number(name, getattr(self, name), int, low=1)
+        check_number("long_prefill_token_threshold", self.long_prefill_token_threshold, int, low=0)
+        check_number("seed", self.seed, int)
+        if self.num_kvcache_blocks is not None:
+            check_number("num_kvcache_blocks", self.num_kvcache_blocks, int, low=1)
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, (int, float), low=0, high=1)
+        check_number("cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, (int, float), low=0)
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        self.attention_backend = resolve_backend(self.attention_backend, self.device)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available")
+        return self.device
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            dtype = DTYPES.get(str(dtype).removeprefix("torch."), torch.float32)
+            if self.device == "cpu" and dtype == torch.float16:
+                return torch.float32  # fp16 matmuls on the CPU are slow and poorly supported
+            return dtype
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+    def resolved_max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        check_number("max_model_len", self.max_model_len, int, low=2)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        return self.max_model_len

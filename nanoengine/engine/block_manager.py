@@ -1,0 +1,152 @@
+"""The paged KV cache's bookkeeping: blocks, reference counts and the prefix cache.
+
+Every request holds a list of block ids (its block table). A *full* block is
+named by a chained hash: hash(parent block's hash, its token ids, and for
+block 0 the request's cache salt), so equal hashes mean equal prefixes. When a
+request finishes its blocks go back to a free queue in LRU order but keep
+their hash, so a later request with the same prefix can take them back (a
+prefix-cache hit) until they are handed out again and evicted.
+"""
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanoengine.engine.request import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int], cache_salt: str | None) -> int:
+    h = xxhash.xxh3_64()
+    if parent_hash is None:  # block 0 carries the salt, and so every block after it does too
+        h.update(b"salt:" + (cache_salt or "").encode())
+    else:
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first; an OrderedDict removes any of them in O(1) on a cache hit.
+        self.free_blocks: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached_blocks: dict[int, Block] = {}  # block hash -> the block holding that prefix
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_blocks.values() if b.block_hash is not None)
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's hash chain over every block its known tokens fill."""
+        tokens, size = request.all_token_ids, self.block_size
+        while (len(request.block_hashes) + 1) * size <= len(tokens):
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else None
+            request.block_hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt))
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """The longest run of cached blocks that matches the start of the request.
+
+        The last token is never taken from the cache: it must be computed so
+        there are logits to sample the next token from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.cached_blocks.get(block_hash)
+            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            if block is None or block.token_ids != tuple(tokens):
+                break
+            hits.append(block)
+        return hits
+
+    def record_lookup(self, request: Request, cached_prefix: list[Block]) -> None:
+        """Count a scheduled request's prefix-cache lookup, in tokens as vLLM does."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(cached_prefix) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+        """Give the request blocks for ``cached_prefix`` plus ``num_new_tokens`` more tokens.
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(request.block_ids) - len(cached_prefix)
+        num_reclaimed = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits that sit in the free queue
+        if num_needed > self.num_free_blocks - num_reclaimed:
+            return False
+        for block in cached_prefix:
+            if block.ref_count == 0:
+                del self.free_blocks[block.block_id]
+            block.ref_count += 1
+            request.block_ids.append(block.block_id)
+        for _ in range(max(num_needed, 0)):
+            request.block_ids.append(self.take_free_block().block_id)
+        self.register_full_blocks(request, num_tokens)
+        return True
+
+    def take_free_block(self) -> Block:
+        _, block = self.free_blocks.popitem(last=False)
+        if block.block_hash is not None:  # evict its prefix from the cache
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = block.token_ids = None
+        block.ref_count = 1
+        return block
+
+    def register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name the blocks that the first ``num_tokens`` tokens fill, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(request)
+        size = self.block_size
+        num_full = min(num_tokens // size, len(request.block_hashes))
+        for i in range(request.num_registered_blocks, num_full):
+            block = self.blocks[request.block_ids[i]]
+            block_hash = request.block_hashes[i]
+            # Skip a block taken from the cache, or one whose prefix another block already holds.
+            if block.block_hash is None and block_hash not in self.cached_blocks:
+                block.block_hash = block_hash
+                block.token_ids = tuple(request.all_token_ids[i * size:(i + 1) * size])
+                self.cached_blocks[block_hash] = block
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the tail goes first so that shared prefixes outlive suffixes."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = block
+                if block.block_hash is None:  # nothing worth keeping: hand it out first
+                    self.free_blocks.move_to_end(block_id, last=False)
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached_blocks.values():
+            block.block_hash = block.token_ids = None
+        self.cached_blocks.clear()

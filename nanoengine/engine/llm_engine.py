@@ -1,0 +1,249 @@
+"""The engine loop: requests go in with add_request, each step() runs one batch and says what changed."""
+
+import time
+from collections import deque
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.detokenizer import IncrementalDetokenizer
+from nanoengine.engine.model_runner import ModelRunner, StepResult
+from nanoengine.engine.request import Request, RequestStatus
+from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
+from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams
+
+STEP_HISTORY = 10_000  # steps whose (running, waiting, kv usage) the stats keep
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.eos_token_ids = self.find_eos_token_ids()
+        self.model_runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
+        self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
+        self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
+        self.last_step_seconds = 0.0
+
+    def find_eos_token_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} - {None}
+        try:
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+        return ids
+
+    # Requests in ----------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                     priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Validate everything about a request and build it, without queuing it."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        text, token_ids, cache_salt = self.parse_prompt(prompt)
+        self.check_prompt_tokens(token_ids)
+        room = self.config.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, text, token_ids, params, arrival_time or time.monotonic(), priority,
+                          cache_salt, max_tokens)
+        request.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        return request
+
+    def parse_prompt(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """A prompt is a str, a list of token ids, or a dict with ``prompt`` or ``prompt_token_ids``."""
+        cache_salt = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s): {sorted(unknown)}")
+            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+            cache_salt = prompt.get("cache_salt")
+            if cache_salt is not None and not isinstance(cache_salt, str):
+                raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt), cache_salt
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt), cache_salt
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_prompt_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids has {len(bad)} id(s) outside the vocabulary [0, {vocab_size}): "
+                             f"{bad[:5]}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.config.max_model_len}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        self.enqueue(self.make_request(request_id, prompt, params, priority, arrival_time))
+
+    def enqueue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        if request.params.stop_strings or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests at once and free their blocks; unknown or finished ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self.requests.get(rid)
+            if request is not None:
+                self.scheduler.finish(request, "abort")
+                self.forget(request)
+
+    def forget(self, request: Request) -> None:
+        del self.requests[request.request_id]
+        self.detokenizers.pop(request.request_id, None)
+        self.sent_offsets.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # One step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.requests:
+            return []
+        result = self.model_runner.execute(scheduled)
+        self.count_step_tokens(scheduled)
+        self.advance(scheduled)
+        outputs = self.apply_samples(result)
+        self.last_step_seconds = time.perf_counter() - started
+        usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
+        self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
+        return outputs
+
+    def count_step_tokens(self, scheduled: SchedulerOutput) -> None:
+        decode = sum(1 for r, n in zip(scheduled.requests, scheduled.num_new_tokens)
+                     if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
+        self.last_step_tokens = (scheduled.total_tokens - decode, decode)
+
+    def advance(self, scheduled: SchedulerOutput) -> None:
+        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens):
+            request.num_computed_tokens += num_new
+
+    def apply_samples(self, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for i, (request, token_id) in enumerate(zip(result.requests, result.token_ids)):
+            request.append_output_token(token_id)
+            self.record_token_time(request, now)
+            if result.logprobs is not None and request.logprobs is not None:
+                self.record_logprobs(request, token_id, result.logprobs[i])
+            self.check_stop(request, token_id)
+            output = self.make_output(request)
+            if output is not None:
+                outputs.append(output)
+            if request.is_finished:
+                request.metrics.finished_time = now
+                self.forget(request)
+        return outputs
+
+    def record_token_time(self, request: Request, now: float) -> None:
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += 1
+
+    def record_logprobs(self, request: Request, token_id: int, row: tuple) -> None:
+        logprob, rank, top_ids, top_values = row
+        num_top = request.params.logprobs
+        entry = {tid: Logprob(value, r + 1) for r, (tid, value) in enumerate(zip(top_ids[:num_top],
+                                                                                   top_values[:num_top]))}
+        entry[token_id] = Logprob(logprob, rank)
+        request.logprobs.append(entry)
+        request.cumulative_logprob += logprob
+
+    def check_stop(self, request: Request, token_id: int) -> None:
+        params = request.params
+        detokenizer = self.detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            new_text = detokenizer.add(token_id)
+            if params.stop_strings and self.cut_at_stop_string(request, detokenizer, len(new_text)):
+                return
+        if token_id in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
+            return self.scheduler.finish(request, "stop", token_id)
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            self.scheduler.finish(request, "length")
+
+    def cut_at_stop_string(self, request: Request, detokenizer: IncrementalDetokenizer, num_new_chars: int) -> bool:
+        """End the request if its text now contains a stop string; the text is cut before it (or after it)."""
+        params = request.params
+        text = detokenizer.text
+        search_from = max(0, len(text) - num_new_chars - max(len(s) for s in params.stop_strings) + 1)
+        for stop in params.stop_strings:
+            at = text.find(stop, search_from)
+            if at >= 0:
+                detokenizer.text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                self.scheduler.finish(request, "stop", stop)
+                return True
+        return False
+
+    # Outputs -------------------------------------------------------------------------------------
+
+    def make_output(self, request: Request) -> RequestOutput | None:
+        kind = request.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not request.is_finished:
+            return None
+        text, token_ids = self.output_text(request), request.output_token_ids
+        logprobs = request.logprobs
+        if kind == RequestOutputKind.DELTA:
+            sent_tokens, sent_chars = self.sent_offsets.get(request.request_id, (0, 0))
+            self.sent_offsets[request.request_id] = (len(token_ids), len(text))
+            text, token_ids = text[sent_chars:], token_ids[sent_tokens:]
+            logprobs = None if logprobs is None else logprobs[sent_tokens:]
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(token_ids),
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            logprobs=None if logprobs is None else list(logprobs),
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.is_finished, request.metrics, max(request.num_cached_tokens, 0))
+
+    def output_text(self, request: Request) -> str:
+        detokenizer = self.detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            return detokenizer.text
+        return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+
+    # Introspection -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_kvcache_blocks=len(bm.blocks), num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_free_blocks, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            step_history=list(self.step_history))
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()

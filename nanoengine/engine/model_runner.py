@@ -1,0 +1,185 @@
+"""The model runner: owns the model and the KV cache, turns a scheduled step into one forward pass.
+
+Every scheduled token of every request goes into one flat batch; the
+attention metadata says which rows belong to which request and where each
+request's blocks are. Logits are computed only for the rows that sample.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoengine.attention import load_backend
+from nanoengine.attention.metadata import AttentionMetadata
+from nanoengine.config import EngineConfig
+from nanoengine.engine.request import Request
+from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.layers.attention import Attention
+from nanoengine.layers.sampler import SamplingTensors, sample, top_logprobs
+from nanoengine.models import model_class_for
+from nanoengine.utils.loader import load_model
+
+
+@dataclass
+class StepResult:
+    """What one step sampled: one entry per scheduled request that sampled, in schedule order."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    # With logprobs requested: per row (sampled logprob, rank, top ids, top logprobs).
+    logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.kvcache_block_size
+        self.model = self.build_model()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+
+    def build_model(self) -> torch.nn.Module:
+        hf_config = self.config.hf_config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.config.torch_dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class_for(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(model, self.config.model)
+        return model.eval()
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def allocate_kv_cache(self) -> int:
+        layers = self.attention_layers()
+        first = layers[0]
+        bytes_per_block = (2 * len(layers) * self.block_size * first.num_kv_heads * first.head_dim
+                           * self.config.torch_dtype.itemsize)
+        num_blocks = self.config.num_kvcache_blocks or self.blocks_that_fit(bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens, "
+                             "raise gpu_memory_utilization, or set num_kvcache_blocks")
+        shape = (2, len(layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        backend = load_backend(self.config.attention_backend)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
+        return num_blocks
+
+    def blocks_that_fit(self, bytes_per_block: int) -> int:
+        # Never more than every sequence at full length could use.
+        useful = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        if self.device.type == "cpu":
+            return min(useful, int(self.config.cpu_kvcache_space_gib * 2**30) // bytes_per_block)
+        return min(useful, self.gpu_bytes_left() // bytes_per_block)
+
+    def gpu_bytes_left(self) -> int:
+        """Memory that the KV cache may take: the budget minus the weights and a full step's peak activations."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_dummy_step(self.config.max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - used_by_others
+        return int(budget - torch.cuda.max_memory_allocated(self.device))
+
+    @torch.inference_mode()
+    def run_dummy_step(self, num_tokens: int) -> None:
+        """One forward pass over ``num_tokens`` tokens of fresh sequences, with writes to the cache discarded."""
+        seq_len = min(num_tokens, self.config.max_model_len)
+        num_seqs = -(-num_tokens // seq_len)
+        lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((num_seqs, -(-seq_len // self.block_size)), dtype=torch.int32,
+                                     device=self.device),
+            max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens)
+        backend = load_backend(self.config.attention_backend)
+        for layer in self.attention_layers():  # no cache yet: every block table points at one block of zeros
+            layer.k_cache = layer.v_cache = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                                        dtype=self.config.torch_dtype, device=self.device)
+            layer.backend = backend
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self.model(input_ids, torch.zeros_like(input_ids), meta)
+
+    # One step ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepResult | None:
+        input_ids, positions, meta, sample_rows, sampling_requests = self.prepare_inputs(step)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        if logits is None:  # a tensor-parallel worker: rank 0 samples
+            return None
+        return self.sample(logits.float(), sampling_requests)
+
+    def prepare_inputs(self, step: SchedulerOutput):
+        input_ids, seq_lens, query_start_loc, block_tables = [], [], [0], []
+        sample_rows, sampling_requests = [], []
+        for request, num_new in zip(step.requests, step.num_new_tokens):
+            start = request.num_computed_tokens
+            input_ids.extend(request.all_token_ids[start:start + num_new])
+            seq_lens.append(start + num_new)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            block_tables.append(request.block_ids)
+            if start + num_new == request.num_tokens:  # the whole context is in: sample the next token
+                sample_rows.append(query_start_loc[-1] - 1)
+                sampling_requests.append(request)
+        max_blocks = max(len(b) for b in block_tables)
+        block_table = torch.tensor([b + [-1] * (max_blocks - len(b)) for b in block_tables], dtype=torch.int32)
+        query_lens = torch.tensor(step.num_new_tokens)
+        row_owner = torch.repeat_interleave(torch.arange(len(seq_lens)), query_lens)
+        first_positions = torch.tensor(seq_lens) - query_lens
+        positions = (torch.arange(len(input_ids)) - torch.tensor(query_start_loc[:-1])[row_owner]
+                     + first_positions[row_owner])
+        slot_mapping = (block_table[row_owner, positions // self.block_size].long() * self.block_size
+                        + positions % self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=self.to_device(slot_mapping),
+            query_start_loc=self.to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
+            seq_lens=self.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=self.to_device(block_table),
+            max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        return (self.to_device(torch.tensor(input_ids)), self.to_device(positions), meta,
+                self.to_device(torch.tensor(sample_rows)), sampling_requests)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
+        ban_stop_tokens_before_min_tokens(logits, requests)
+        params = [r.params for r in requests]
+        tensors = SamplingTensors(
+            temperatures=self.to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
+            top_ks=self.to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64)),
+            top_ps=self.to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
+            min_ps=self.to_device(torch.tensor([p.min_p for p in params], dtype=torch.float32)),
+            generators=[r.generator for r in requests],
+            all_greedy=all(p.greedy for p in params),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params))
+        tokens = sample(logits, tensors, self.generator)
+        result = StepResult(requests, tokens.tolist())
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_top is not None:
+            sampled, ranks, top_values, top_ids = top_logprobs(logits, tokens, num_top)
+            result.logprobs = list(zip(sampled.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()))
+        return result
+
+
+
+def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        if request.num_output_tokens < request.params.min_tokens and request.stop_token_ids:
+            logits[row, list(request.stop_token_ids)] = float("-inf")

@@ -1,0 +1,141 @@
+"""The scheduler: which requests run this step, and how many tokens each computes.
+
+There are no prefill and decode phases. Each step has a token budget
+(``max_num_batched_tokens``); running requests are served first, then waiting
+ones, and each gets ``num_tokens - num_computed_tokens`` new tokens, capped by
+what is left of the budget and by ``long_prefill_token_threshold``. So a
+decode (1 token), a prompt's next chunk and a fresh prompt all share a step.
+When the KV cache is full, a running request is preempted: its blocks are
+freed, its progress is forgotten, and it waits to be recomputed.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request, in the same order
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+
+    def remove(self, request: Request) -> int:
+        i = self.requests.index(request)
+        del self.requests[i]
+        return self.num_new_tokens.pop(i)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting: list[Request] = []  # kept in serving order: the head is served first
+        self.running: list[Request] = []  # in the order they were admitted
+        self.num_preemptions = 0
+
+    def order_key(self, request: Request) -> tuple:
+        """Lower runs first; under memory pressure the largest key is preempted."""
+        return (request.priority, request.arrival_time) if self.by_priority else (request.arrival_time,)
+
+    def add(self, request: Request) -> None:
+        self.push_waiting(request)
+
+    def push_waiting(self, request: Request) -> None:
+        if self.by_priority:
+            keys = [self.order_key(r) for r in self.waiting]
+            position = next((i for i, k in enumerate(keys) if k > self.order_key(request)), len(keys))
+            self.waiting.insert(position, request)
+        elif request.status == RequestStatus.PREEMPTED:
+            self.waiting.insert(0, request)  # FCFS: a preempted request resumes first
+        else:
+            self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def capped(self, num_remaining: int, budget: int) -> int:
+        num_new = min(num_remaining, budget)
+        if self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return num_new
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget, preempted = self.schedule_running(out, self.config.max_num_batched_tokens)
+        if not preempted:
+            self.schedule_waiting(out, budget)
+        now = time.monotonic()
+        for request in out.requests:
+            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+        return out
+
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Serve running requests in order, preempting when blocks run out. Returns (budget left, preempted?)."""
+        preempted = False
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = self.capped(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = max(self.running, key=self.order_key)
+                if victim in out.requests:
+                    budget += out.remove(victim)
+                self.preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                out.add(request, num_new)
+                budget -= num_new
+        return budget, preempted
+
+    def schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_prefix = self.block_manager.find_cached_prefix(request)
+            num_computed = len(cached_prefix) * self.block_manager.block_size
+            num_new = self.capped(request.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate_slots(request, num_new, cached_prefix):
+                break
+            self.block_manager.record_lookup(request, cached_prefix)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.add(request, num_new)
+            budget -= num_new
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.push_waiting(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retire a running or waiting request and give back its blocks at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason

@@ -1,0 +1,22 @@
+"""The attention layer: write this step's K/V into the paged cache, then attend through it."""
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from nanoengine.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Set by the model runner once the cache is allocated.
+        self.backend: ModuleType | None = None
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]."""
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)

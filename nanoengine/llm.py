@@ -1,0 +1,113 @@
+"""LLM: the one-call API. generate() and chat() run the engine loop until every prompt is done."""
+
+from collections.abc import Sequence
+from itertools import count
+
+from tqdm.auto import tqdm
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.outputs import EngineStats, RequestOutput
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **options):
+        self.config = EngineConfig.from_options(model, options)
+        self.llm_engine = LLMEngine(self.config)
+        self.request_counter = count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; the outputs come back in the prompts' order."""
+        prompts = as_prompt_list(prompts)
+        params = per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams())
+        priorities = per_prompt("priority", priority, len(prompts), 0, broadcast=False)
+        engine = self.llm_engine
+        # Validate every prompt before queuing any, so a bad one leaves the engine untouched.
+        requests = [engine.make_request(str(next(self.request_counter)), prompt, final_only(p), prio)
+                    for prompt, p, prio in zip(prompts, params, priorities)]
+        for request in requests:
+            engine.enqueue(request)
+        return self.run_until_done([r.request_id for r in requests], use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already holds any special tokens, so it is tokenized without adding more.
+        token_prompts = [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.prompt = prompt
+        return outputs
+
+    def run_until_done(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        engine = self.llm_engine
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                bar.set_postfix_str(throughput_text(engine), refresh=False)
+        except BaseException:
+            engine.abort_request(request_ids)  # leave the engine clean for the next call
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def stats(self) -> EngineStats:
+        return self.llm_engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+
+def as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("prompts must be a non-empty list (or a single prompt)")
+    return list(prompts)
+
+
+def per_prompt(name: str, value, num_prompts: int, default, broadcast: bool = True) -> list:
+    """One value per prompt: a list as given (its length checked), a single value repeated."""
+    if value is None:
+        return [default] * num_prompts
+    if isinstance(value, list | tuple):
+        if len(value) != num_prompts:
+            raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+        return list(value)
+    if not broadcast:
+        raise TypeError(f"{name} must be a list with one entry per prompt")
+    return [value] * num_prompts
+
+
+def final_only(params: SamplingParams) -> SamplingParams:
+    """generate() needs each request's output once, at the end."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    copy = SamplingParams(**{k: v for k, v in vars(params).items() if k != "stop_strings"})
+    copy.output_kind = RequestOutputKind.FINAL_ONLY
+    return copy
+
+
+def throughput_text(engine: LLMEngine) -> str:
+    prefill, decode = engine.last_step_tokens
+    seconds = engine.last_step_seconds or 1e-9
+    return f"prefill {prefill / seconds:,.0f} tok/s, decode {decode / seconds:,.0f} tok/s"

@@ -1,0 +1,81 @@
+"""SamplingParams: how one request is decoded, validated when it is built."""
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries all tokens and text so far
+    DELTA = 1       # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Derived: the stop strings as a list.
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        check_number("n", self.n, int, low=1, high=1, why="only n=1 is supported")
+        check_number("temperature", self.temperature, (int, float), low=0)
+        check_number("top_p", self.top_p, (int, float), high=1)
+        if not self.top_p > 0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_number("top_k", self.top_k, int, low=-1)
+        check_number("min_p", self.min_p, (int, float), low=0, high=1)
+        if self.seed is not None:
+            check_number("seed", self.seed, int)
+        if self.max_tokens is not None:
+            check_number("max_tokens", self.max_tokens, int, low=1)
+        check_number("min_tokens", self.min_tokens, int, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            check_number("logprobs", self.logprobs, int, low=0)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.stop_strings = self.validated_stop()
+        self.stop_token_ids = self.validated_stop_token_ids()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validated_stop(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        return stop
+
+    def validated_stop_token_ids(self) -> list[int]:
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        return ids
+
+
+def check_number(name: str, value, types, low=None, high=None, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, types):
+        expected = "an int" if types is int else "a number"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}" + (f" ({why})" if why else ""))

@@ -1,0 +1,183 @@
+"""The Triton attention backend against the torch oracle: on CPU under the Triton interpreter, and on CUDA.
+
+Triton 3.9 reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function. That happens for
+triton.language's own helpers (``tl.cdiv``, ``tl.max``, ...) when triton is first imported, and an
+interpreted kernel cannot call compiled helpers. So the variable only works if it is set before the
+first ``import triton`` of the process. Without CUDA this module sets it when it gets there first;
+if triton was already imported without it (another test module got there first), or CUDA is present
+and must stay compiled, the CPU cases run once in a child pytest process and each CPU test reports
+its own outcome from there.
+"""
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import functools  # noqa: E402
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from nanoengine.attention import torch_backend, triton_backend  # noqa: E402
+from nanoengine.attention.metadata import AttentionMetadata  # noqa: E402
+
+# Both triton.language and the backend must have been decorated in interpreter mode.
+INTERPRETER_IN_PROCESS = all(isinstance(fn, InterpretedFunction)
+                             for fn in (tl.standard.cdiv, triton_backend._paged_attention_kernel))
+
+BLOCK_SIZE = 16
+NUM_KV_HEADS = 2
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+# Requests as (cached_len, query_len): a decode, a chunk on a cached prefix, a fresh prompt, a
+# decode and a prompt whose contexts end exactly on a block boundary, and a one-token prompt.
+MIXED_BATCH = [(37, 1), (32, 20), (0, 23), (47, 1), (0, 32), (0, 1)]
+LONG_DECODES = [(700, 1), (515, 1)]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+no_interpreted_bf16_dot = pytest.mark.skip(
+    reason="the Triton 3.9 interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)")
+
+
+def device_dtypes(cpu_bf16_marks=()):
+    return [
+        pytest.param("cpu", torch.float32, id="cpu-fp32"),
+        pytest.param("cpu", torch.float16, id="cpu-fp16"),
+        pytest.param("cpu", torch.bfloat16, id="cpu-bf16", marks=cpu_bf16_marks),
+        pytest.param("cuda", torch.float32, id="cuda-fp32", marks=needs_cuda),
+        pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=needs_cuda),
+    ]
+
+
+@pytest.fixture(scope="module")
+def child_outcomes(tmp_path_factory) -> dict[str, str]:
+    """Run this module's CPU cases in a fresh interpreter-mode process; test name -> outcome."""
+    report = tmp_path_factory.mktemp("interpreter") / "report.xml"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "cpu", "-p", "no:cacheprovider",
+                    f"--junitxml={report}"], env=env, cwd=Path(__file__).parents[1], capture_output=True, check=False)
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        problems = [f"{child.tag}: {child.get('message')}" for child in case
+                    if child.tag in ("failure", "error", "skipped")]
+        outcomes[case.get("name")] = "; ".join(problems) or "passed"
+    return outcomes
+
+
+def run_on(device: str, request: pytest.FixtureRequest, check) -> None:
+    """Run ``check`` here, or look up the child process's outcome for a CPU case that cannot run here."""
+    if device == "cpu" and not INTERPRETER_IN_PROCESS:
+        outcome = request.getfixturevalue("child_outcomes").get(request.node.name, "missing from child run")
+        assert outcome == "passed", outcome
+    else:
+        check()
+
+
+def make_batch(requests, group, head_dim, dtype, device, seed):
+    """Random q and caches plus metadata for requests given as (cached_len, query_len).
+
+    Physical blocks are handed out in shuffled order, with spare blocks, so block tables are
+    non-contiguous and the caches hold blocks nobody owns.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [cached + query for cached, query in requests]
+    blocks_per_seq = [math.ceil(seq_len / BLOCK_SIZE) for seq_len in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.full((len(requests), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
+    for i, count in enumerate(blocks_per_seq):
+        block_tables[i, :count] = torch.tensor([free_blocks.pop() for _ in range(count)])
+
+    query_lens = [query for _, query in requests]
+    query_start_loc = [0]
+    for query_len in query_lens:
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    slots = []
+    for i, (cached, query) in enumerate(requests):
+        for pos in range(cached, cached + query):
+            slots.append(int(block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen)
+    v_cache = torch.randn(cache_shape, generator=gen)
+    q = torch.randn(query_start_loc[-1], NUM_KV_HEADS * group, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    to = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
+    return to(q), to(k_cache), to(v_cache), meta
+
+
+def check_attention(device, dtype, requests, group, head_dim, num_kv_splits, seed=0):
+    q, k_cache, v_cache, meta = make_batch(requests, group, head_dim, dtype, device, seed)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))  # any element the kernel fails to write stays NaN
+    result = triton_backend.paged_attention(q, k_cache, v_cache, meta, scale, out=out, num_kv_splits=num_kv_splits)
+    assert result is out
+    expected = torch_backend.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def check_store_kv(device, dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks = 4
+    slot_mapping = torch.tensor([17, -1, 3, 60, -1, 32, 0], dtype=torch.int64, device=device)
+    # A strided view, as when K and V are slices of one fused projection.
+    kv = torch.randn(len(slot_mapping), NUM_KV_HEADS, 2 * head_dim, generator=gen).to(device, dtype)
+    k, v = kv[..., :head_dim], kv[..., head_dim:]
+    poisoned = torch.full((num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim), float("nan"), dtype=dtype, device=device)
+    k_cache, v_cache = poisoned.clone(), poisoned.clone()
+    expected_k, expected_v = poisoned.clone(), poisoned.clone()
+
+    triton_backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    torch_backend.store_kv(k, v, expected_k, expected_v, slot_mapping)
+    # Written slots match exactly; the slots nobody wrote are still NaN.
+    torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device, dtype", device_dtypes(no_interpreted_bf16_dot))
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_kv_splits", [1, 3], ids=["split-off", "split-3"])
+def test_mixed_batch(device, dtype, group, num_kv_splits, request):
+    run_on(device, request, lambda: check_attention(device, dtype, MIXED_BATCH, group, 64, num_kv_splits, seed=group))
+
+
+@pytest.mark.parametrize("device, dtype", device_dtypes(no_interpreted_bf16_dot))
+@pytest.mark.parametrize("num_kv_splits", [1, None], ids=["split-off", "split-auto"])
+def test_long_decodes_head_dim_128(device, dtype, num_kv_splits, request):
+    run_on(device, request, lambda: check_attention(device, dtype, LONG_DECODES, 2, 128, num_kv_splits))
+
+
+@pytest.mark.parametrize("device, dtype", device_dtypes())
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_store_kv_skips_padding(device, dtype, head_dim, request):
+    run_on(device, request, lambda: check_store_kv(device, dtype, head_dim))
+
+
+def test_auto_split_only_for_underfilled_long_decodes():
+    def splits(requests):
+        meta = make_batch(requests, 2, 64, torch.float32, "cpu", 0)[3]
+        return triton_backend._auto_kv_splits(meta, NUM_KV_HEADS, torch.device("cpu"))
+
+    assert splits(LONG_DECODES) > 1
+    assert splits([(40, 1), (9, 1)]) == 1
+    assert splits(MIXED_BATCH) == 1
+    assert splits([(700, 1)] * 64) == 1
