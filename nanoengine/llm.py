@@ -1,5 +1,6 @@
 """LLM: the one-call API. generate() and chat() run the engine loop until every prompt is done."""
 
+import time
 from collections.abc import Sequence
 from itertools import count
 
@@ -52,13 +53,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         engine = self.llm_engine
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        speed = ThroughputMeter()
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-                bar.set_postfix_str(throughput_text(engine), refresh=False)
+                speed.add(*engine.last_step_tokens)
+                bar.set_postfix_str(speed.text(), refresh=False)
         except BaseException:
             engine.abort_request(request_ids)  # leave the engine clean for the next call
             raise
@@ -71,6 +74,16 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Release the engine (and, with tensor parallelism, its workers). Safe to call twice."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def as_prompt_list(prompts) -> list:
@@ -107,7 +120,17 @@ def final_only(params: SamplingParams) -> SamplingParams:
     return copy
 
 
-def throughput_text(engine: LLMEngine) -> str:
-    prefill, decode = engine.last_step_tokens
-    seconds = engine.last_step_seconds or 1e-9
-    return f"prefill {prefill / seconds:,.0f} tok/s, decode {decode / seconds:,.0f} tok/s"
+class ThroughputMeter:
+    """Prefill and decode tokens per second since the start of a generate() call."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.prefill_tokens = self.decode_tokens = 0
+
+    def add(self, prefill_tokens: int, decode_tokens: int) -> None:
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+
+    def text(self) -> str:
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        return f"prefill {self.prefill_tokens / seconds:,.0f} tok/s, decode {self.decode_tokens / seconds:,.0f} tok/s"

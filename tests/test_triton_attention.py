@@ -14,6 +14,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -82,8 +83,17 @@ def run_on(device: str, request: pytest.FixtureRequest, check) -> None:
         check()
 
 
-def make_batch(requests, group, head_dim, dtype, device, seed):
-    """Random q and caches plus metadata for requests given as (cached_len, query_len).
+class Step(NamedTuple):
+    q: torch.Tensor        # [num_tokens, num_heads, head_dim], a strided view
+    k: torch.Tensor        # [num_tokens, num_kv_heads, head_dim]: this step's new keys
+    v: torch.Tensor
+    k_cache: torch.Tensor  # random everywhere, so cached prefixes (and unowned blocks) hold data
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_step(requests, group, head_dim, dtype, device, seed) -> Step:
+    """A random step for requests given as (cached_len, query_len).
 
     Physical blocks are handed out in shuffled order, with spare blocks, so block tables are
     non-contiguous and the caches hold blocks nobody owns.
@@ -106,10 +116,14 @@ def make_batch(requests, group, head_dim, dtype, device, seed):
         for pos in range(cached, cached + query):
             slots.append(int(block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
 
+    num_tokens, num_heads = query_start_loc[-1], NUM_KV_HEADS * group
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen)
-    v_cache = torch.randn(cache_shape, generator=gen)
-    q = torch.randn(query_start_loc[-1], NUM_KV_HEADS * group, head_dim, generator=gen)
+    to = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
+    # q and the new k, v are slices of one fused projection, as in the model.
+    qkv = to(torch.randn(num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen))
+    q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
+    k_cache = to(torch.randn(cache_shape, generator=gen))
+    v_cache = to(torch.randn(cache_shape, generator=gen))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
@@ -120,17 +134,22 @@ def make_batch(requests, group, head_dim, dtype, device, seed):
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )
-    to = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
-    return to(q), to(k_cache), to(v_cache), meta
+    return Step(q, k, v, k_cache, v_cache, meta)
 
 
 def check_attention(device, dtype, requests, group, head_dim, num_kv_splits, seed=0):
-    q, k_cache, v_cache, meta = make_batch(requests, group, head_dim, dtype, device, seed)
+    """One step through the Triton backend (store this step's K/V, then attend) against the oracle in fp32."""
+    step = make_step(requests, group, head_dim, dtype, device, seed)
     scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))  # any element the kernel fails to write stays NaN
-    result = triton_backend.paged_attention(q, k_cache, v_cache, meta, scale, out=out, num_kv_splits=num_kv_splits)
+    expected_k_cache, expected_v_cache = step.k_cache.float(), step.v_cache.float()
+    torch_backend.store_kv(step.k.float(), step.v.float(), expected_k_cache, expected_v_cache, step.meta.slot_mapping)
+    expected = torch_backend.paged_attention(step.q.float(), expected_k_cache, expected_v_cache, step.meta, scale)
+
+    triton_backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    out = torch.full_like(step.q, float("nan"))  # any element the kernel fails to write stays NaN
+    result = triton_backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, scale, out=out,
+                                            num_kv_splits=num_kv_splits)
     assert result is out
-    expected = torch_backend.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
@@ -174,7 +193,7 @@ def test_store_kv_skips_padding(device, dtype, head_dim, request):
 
 def test_auto_split_only_for_underfilled_long_decodes():
     def splits(requests):
-        meta = make_batch(requests, 2, 64, torch.float32, "cpu", 0)[3]
+        meta = make_step(requests, 2, 64, torch.float32, "cpu", 0).meta
         return triton_backend._auto_kv_splits(meta, NUM_KV_HEADS, torch.device("cpu"))
 
     assert splits(LONG_DECODES) > 1

@@ -9,7 +9,7 @@ from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.model_runner import ModelRunner, StepResult
-from nanoengine.engine.request import Request, RequestStatus
+from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
@@ -31,7 +31,6 @@ class LLMEngine:
         self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
-        self.last_step_seconds = 0.0
 
     def find_eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} - {None}
@@ -128,7 +127,6 @@ class LLMEngine:
     # One step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
@@ -136,7 +134,6 @@ class LLMEngine:
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
         outputs = self.apply_samples(result)
-        self.last_step_seconds = time.perf_counter() - started
         usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
         self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
         return outputs
@@ -247,3 +244,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Drop every request and release the model and its KV cache."""
+        self.abort_request(list(self.requests))
+        self.model_runner.close()

@@ -110,6 +110,11 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self.model(input_ids, torch.zeros_like(input_ids), meta)
 
+    def close(self) -> None:
+        for layer in self.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0)
+
     # One step ------------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random models built from transformers' own configs, and the real SmolLM2."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from nanoengine.utils.default_model import default_model_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+VOCAB_SIZE = 49152  # SmolLM2's, so the tiny models can share its tokenizer and take text prompts
+
+TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, head_dim=16, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64}),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    return default_model_path()
+
+
+def build_tiny_model(arch: str, folder, tokenizer_dir: str, seed: int = 0):
+    """Save a random model of ``arch`` (with SmolLM2's tokenizer) to ``folder``; return the HF model."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch]()).eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early in transformers either
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(f"{tokenizer_dir}/{name}", folder)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_model(request, tmp_path_factory, smollm2_dir):
+    """(arch, folder, transformers model) for each tiny architecture."""
+    arch = request.param
+    folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+    return arch, str(folder), build_tiny_model(arch, folder, smollm2_dir)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of one prompt."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids)),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
