@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanoengine.attention import resolve_backend
+from nanoengine.layers.linear import divide
 from nanoengine.sampling_params import check_number
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,6 +70,26 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
+        self.check_tensor_parallel()
+
+    def check_tensor_parallel(self) -> None:
+        """Fail here, before any worker process starts, when the model cannot be split evenly."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return
+        hf = self.hf_config
+        split_sizes = {"num_attention_heads": hf.num_attention_heads,
+                       "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                       "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size}
+        for name, value in split_sizes.items():
+            divide(value, size, name)
+        if self.device.startswith("cuda"):
+            if self.device != "cuda":
+                raise ValueError(f"with tensor_parallel_size > 1, device must be 'cuda' (rank r runs on cuda:r), "
+                                 f"got {self.device!r}")
+            if torch.cuda.device_count() < size:
+                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
+                                 f"found {torch.cuda.device_count()}")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

@@ -48,9 +48,20 @@ def tiny_model(request, tmp_path_factory, smollm2_dir):
     return arch, str(folder), build_tiny_model(arch, folder, smollm2_dir)
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy continuation of one prompt."""
+HF_GREEDY_CACHE: dict[tuple, list[int]] = {}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """transformers' own greedy continuation of one prompt (remembered: the models are never modified)."""
+    key = (id(model), tuple(prompt_ids), max_new_tokens, eos_token_id)
+    if key not in HF_GREEDY_CACHE:
+        HF_GREEDY_CACHE[key] = run_hf_greedy(model, prompt_ids, max_new_tokens, eos_token_id)
+    return HF_GREEDY_CACHE[key]
+
+
+def run_hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids)),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                             pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

@@ -43,6 +43,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # decode and a prompt whose contexts end exactly on a block boundary, and a one-token prompt.
 MIXED_BATCH = [(37, 1), (32, 20), (0, 23), (47, 1), (0, 32), (0, 1)]
 LONG_DECODES = [(700, 1), (515, 1)]
+# One request, so the tile search has nothing to search, and a chunk spanning two query tiles.
+SINGLE_CHUNK = [(19, 70)]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 no_interpreted_bf16_dot = pytest.mark.skip(
@@ -185,6 +187,12 @@ def test_long_decodes_head_dim_128(device, dtype, num_kv_splits, request):
     run_on(device, request, lambda: check_attention(device, dtype, LONG_DECODES, 2, 128, num_kv_splits))
 
 
+@pytest.mark.parametrize("device, dtype", device_dtypes(no_interpreted_bf16_dot))
+@pytest.mark.parametrize("num_kv_splits", [1, 2], ids=["split-off", "split-2"])
+def test_single_chunk(device, dtype, num_kv_splits, request):
+    run_on(device, request, lambda: check_attention(device, dtype, SINGLE_CHUNK, 1, 128, num_kv_splits))
+
+
 @pytest.mark.parametrize("device, dtype", device_dtypes())
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_store_kv_skips_padding(device, dtype, head_dim, request):
@@ -194,7 +202,7 @@ def test_store_kv_skips_padding(device, dtype, head_dim, request):
 def test_auto_split_only_for_underfilled_long_decodes():
     def splits(requests):
         meta = make_step(requests, 2, 64, torch.float32, "cpu", 0).meta
-        return triton_backend._auto_kv_splits(meta, NUM_KV_HEADS, torch.device("cpu"))
+        return triton_backend.choose_num_kv_splits(meta, NUM_KV_HEADS, torch.device("cpu"))
 
     assert splits(LONG_DECODES) > 1
     assert splits([(40, 1), (9, 1)]) == 1

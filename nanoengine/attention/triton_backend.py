@@ -31,7 +31,7 @@ PREFILL_TILE_N = 64
 MAX_SPLIT_QUERY_LEN = 1     # auto split-KV only for decode-only batches
 MIN_KEYS_PER_SPLIT = 256    # below this a split costs more to merge than it saves
 MAX_KV_SPLITS = 64
-CPU_TARGET_PROGRAMS = 64    # no SM count to ask for off-GPU; any value keeps results identical
+CPU_TARGET_PROGRAMS = 64    # no SM count to ask for off-GPU (the interpreter); results don't depend on it
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _paged_attention_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    block_table = block_tables_ptr + seq * stride_block_table
     for tile_start in range(kv_start, kv_end, TILE_N):
         key_pos = tile_start + tl.arange(0, TILE_N)
         key_valid = key_pos < kv_end
@@ -205,7 +205,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if out is None:
         out = torch.empty_like(q)
     num_real_tokens = meta.query_start_loc_cpu[-1]
-    if meta.num_seqs == 0 or num_real_tokens == 0:
+    if num_real_tokens == 0:
         return out
 
     group = num_heads // num_kv_heads
@@ -215,7 +215,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // group_pad
     tile_n = DECODE_TILE_N if decode_sized else PREFILL_TILE_N
     if num_kv_splits is None:
-        num_kv_splits = _auto_kv_splits(meta, num_kv_heads, q.device)
+        num_kv_splits = choose_num_kv_splits(meta, num_kv_heads, q.device)
     split_kv = num_kv_splits > 1
 
     num_tiles = num_real_tokens // block_q + meta.num_seqs
@@ -241,7 +241,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _auto_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+def choose_num_kv_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
     """Split the keys only when a decode batch leaves the device underfilled and contexts are long."""
     if meta.max_query_len > MAX_SPLIT_QUERY_LEN:
         return 1

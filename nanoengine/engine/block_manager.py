@@ -110,12 +110,15 @@ class BlockManager:
 
     def take_free_block(self) -> Block:
         _, block = self.free_blocks.popitem(last=False)
-        if block.block_hash is not None:  # evict its prefix from the cache
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
-            block.block_hash = block.token_ids = None
+        self.evict(block)
         block.ref_count = 1
         return block
+
+    def evict(self, block: Block) -> None:
+        """Drop the block's prefix from the cache."""
+        if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = block.token_ids = None
 
     def register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Name the blocks that the first ``num_tokens`` tokens fill, so later requests can share them."""
@@ -135,14 +138,21 @@ class BlockManager:
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; the tail goes first so that shared prefixes outlive suffixes."""
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
+        """Release the request's blocks; the tail goes first so that shared prefixes outlive suffixes.
+
+        Blocks are named when they are allocated, before the step computes them. A request preempted in the
+        same step it was scheduled never computes them, so they lose their name: their KV was never written.
+        """
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        for i in reversed(range(len(request.block_ids))):
+            block = self.blocks[request.block_ids[i]]
+            if i >= num_computed_blocks:
+                self.evict(block)
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_blocks[block_id] = block
+                self.free_blocks[block.block_id] = block
                 if block.block_hash is None:  # nothing worth keeping: hand it out first
-                    self.free_blocks.move_to_end(block_id, last=False)
+                    self.free_blocks.move_to_end(block.block_id, last=False)
         request.block_ids = []
         request.num_registered_blocks = 0
 

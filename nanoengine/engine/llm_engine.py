@@ -8,9 +8,10 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
-from nanoengine.engine.model_runner import ModelRunner, StepResult
+from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
+from nanoengine.engine.tp_worker import start_model_runner
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,7 +23,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_ids = self.find_eos_token_ids()
-        self.model_runner = ModelRunner(config)
+        self.model_runner = start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -120,6 +121,7 @@ class LLMEngine:
         del self.requests[request.request_id]
         self.detokenizers.pop(request.request_id, None)
         self.sent_offsets.pop(request.request_id, None)
+        self.model_runner.finish_request(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

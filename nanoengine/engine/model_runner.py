@@ -6,18 +6,23 @@ request's blocks are. Logits are computed only for the rows that sample.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoengine.attention import load_backend
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.config import EngineConfig
+from nanoengine.distributed import min_over_ranks, rank_device
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.sampler import SamplingTensors, sample, top_logprobs
 from nanoengine.models import model_class_for
 from nanoengine.utils.loader import load_model
+
+if TYPE_CHECKING:
+    from nanoengine.engine.tp_worker import TensorParallelWorkers
 
 
 @dataclass
@@ -30,10 +35,36 @@ class StepResult:
     logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
 
 
+@dataclass
+class StepInputs:
+    """One step as plain lists, one entry per scheduled request: all that any rank needs to run the model."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]  # the tokens computed this step
+    starts: list[int]  # the position of each request's first new token
+    block_tables: list[list[int]]
+    samples: list[bool]  # True when the request's whole context is in after this step: it samples
+
+    @classmethod
+    def of(cls, step: SchedulerOutput) -> "StepInputs":
+        inputs = cls([], [], [], [], [])
+        for request, num_new in zip(step.requests, step.num_new_tokens):
+            start = request.num_computed_tokens
+            inputs.request_ids.append(request.request_id)
+            inputs.token_ids.append(request.all_token_ids[start:start + num_new])
+            inputs.starts.append(start)
+            inputs.block_tables.append(request.block_ids)
+            inputs.samples.append(start + num_new == request.num_tokens)
+        return inputs
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """Rank 0's runner also samples and, with tensor parallelism, drives the other ranks through ``workers``."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, workers: "TensorParallelWorkers | None" = None):
         self.config = config
-        self.device = torch.device(config.device)
+        self.workers = workers
+        self.device = rank_device(config.device, rank, config.tensor_parallel_size)
         self.block_size = config.kvcache_block_size
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -60,6 +91,7 @@ class ModelRunner:
         bytes_per_block = (2 * len(layers) * self.block_size * first.num_kv_heads * first.head_dim
                            * self.config.torch_dtype.itemsize)
         num_blocks = self.config.num_kvcache_blocks or self.blocks_that_fit(bytes_per_block)
+        num_blocks = min_over_ranks(num_blocks, self.device)  # every rank's cache holds the same block ids
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens, "
                              "raise gpu_memory_utilization, or set num_kvcache_blocks")
@@ -114,37 +146,45 @@ class ModelRunner:
         for layer in self.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
+        if self.workers is not None:
+            self.workers.close()
+
+    def finish_request(self, request_id: str) -> None:
+        """The request is done or aborted: the workers drop their copy of its block table."""
+        if self.workers is not None:
+            self.workers.finish_request(request_id)
 
     # One step ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepResult | None:
-        input_ids, positions, meta, sample_rows, sampling_requests = self.prepare_inputs(step)
-        hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
-        if logits is None:  # a tensor-parallel worker: rank 0 samples
-            return None
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        inputs = StepInputs.of(step)
+        logits = self.forward(inputs) if self.workers is None else self.workers.run_step(inputs, self.forward)
+        sampling_requests = [r for r, samples in zip(step.requests, inputs.samples) if samples]
         return self.sample(logits.float(), sampling_requests)
 
-    def prepare_inputs(self, step: SchedulerOutput):
-        input_ids, seq_lens, query_start_loc, block_tables = [], [], [0], []
-        sample_rows, sampling_requests = [], []
-        for request, num_new in zip(step.requests, step.num_new_tokens):
-            start = request.num_computed_tokens
-            input_ids.extend(request.all_token_ids[start:start + num_new])
-            seq_lens.append(start + num_new)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            block_tables.append(request.block_ids)
-            if start + num_new == request.num_tokens:  # the whole context is in: sample the next token
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The logits of the rows that sample; None on tensor-parallel workers (rank 0 samples)."""
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(inputs)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def prepare_inputs(self, inputs: StepInputs):
+        input_ids, seq_lens, query_start_loc, sample_rows = [], [], [0], []
+        for token_ids, start, samples in zip(inputs.token_ids, inputs.starts, inputs.samples):
+            input_ids.extend(token_ids)
+            seq_lens.append(start + len(token_ids))
+            query_start_loc.append(query_start_loc[-1] + len(token_ids))
+            if samples:
                 sample_rows.append(query_start_loc[-1] - 1)
-                sampling_requests.append(request)
-        max_blocks = max(len(b) for b in block_tables)
-        block_table = torch.tensor([b + [-1] * (max_blocks - len(b)) for b in block_tables], dtype=torch.int32)
-        query_lens = torch.tensor(step.num_new_tokens)
-        row_owner = torch.repeat_interleave(torch.arange(len(seq_lens)), query_lens)
-        first_positions = torch.tensor(seq_lens) - query_lens
+        max_blocks = max(len(b) for b in inputs.block_tables)
+        block_table = torch.tensor([b + [-1] * (max_blocks - len(b)) for b in inputs.block_tables],
+                                   dtype=torch.int32)
+        query_lens = [len(t) for t in inputs.token_ids]
+        row_owner = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
         positions = (torch.arange(len(input_ids)) - torch.tensor(query_start_loc[:-1])[row_owner]
-                     + first_positions[row_owner])
+                     + torch.tensor(inputs.starts)[row_owner])
         slot_mapping = (block_table[row_owner, positions // self.block_size].long() * self.block_size
                         + positions % self.block_size)
         meta = AttentionMetadata(
@@ -152,10 +192,10 @@ class ModelRunner:
             query_start_loc=self.to_device(torch.tensor(query_start_loc, dtype=torch.int32)),
             seq_lens=self.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             block_tables=self.to_device(block_table),
-            max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
         return (self.to_device(torch.tensor(input_ids)), self.to_device(positions), meta,
-                self.to_device(torch.tensor(sample_rows)), sampling_requests)
+                self.to_device(torch.tensor(sample_rows, dtype=torch.int64)))
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

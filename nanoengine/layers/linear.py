@@ -49,6 +49,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        for size in output_sizes:  # each part is split on its own, so each must divide
+            divide(size, tp_size(), "output features")
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
