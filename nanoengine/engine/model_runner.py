@@ -96,7 +96,9 @@ class ModelRunner:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens, "
                              "raise gpu_memory_utilization, or set num_kvcache_blocks")
         shape = (2, len(layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        # On the CPU, empty() maps fresh zero pages lazily, where zeros() would touch gigabytes up front.
+        allocate = torch.empty if self.device.type == "cpu" else torch.zeros
+        self.kv_cache = allocate(shape, dtype=self.config.torch_dtype, device=self.device)
         backend = load_backend(self.config.attention_backend)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
