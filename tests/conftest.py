@@ -29,10 +29,12 @@ def smollm2_dir() -> str:
     return default_model_path()
 
 
-def build_tiny_model(arch: str, folder, tokenizer_dir: str, seed: int = 0):
+def build_tiny_model(arch: str, folder, tokenizer_dir: str, seed: int = 0, **config_overrides):
     """Save a random model of ``arch`` (with SmolLM2's tokenizer) to ``folder``; return the HF model."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch]()).eval()
+    config = TINY_CONFIGS[arch]()
+    config.update(config_overrides)
+    model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = None  # random weights: never stop early in transformers either
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
@@ -46,6 +48,14 @@ def tiny_model(request, tmp_path_factory, smollm2_dir):
     arch = request.param
     folder = tmp_path_factory.mktemp(f"tiny-{arch}")
     return arch, str(folder), build_tiny_model(arch, folder, smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def sharp_tiny_model(tmp_path_factory, smollm2_dir):
+    """(folder, transformers model): a tiny Llama whose large random weights make each greedy token depend on
+    the context (the default init repeats one token), so a wrong KV entry shows up in the output."""
+    folder = tmp_path_factory.mktemp("tiny-sharp-llama")
+    return str(folder), build_tiny_model("llama", folder, smollm2_dir, initializer_range=0.5)
 
 
 HF_GREEDY_CACHE: dict[tuple, list[int]] = {}

@@ -50,7 +50,8 @@ def record_prompt_chunks(llm: LLM) -> list[list[tuple[int, int, int]]]:
 
     def recording_schedule():
         out = schedule()
-        steps.append([(r.num_computed_tokens, n, r.num_prompt_tokens) for r, n in zip(out.requests, out.num_new_tokens)])
+        steps.append([(r.num_computed_tokens, n, r.num_prompt_tokens)
+                      for r, n in zip(out.requests, out.num_new_tokens)])
         return out
 
     scheduler.schedule = recording_schedule
