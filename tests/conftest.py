@@ -30,11 +30,18 @@ def smollm2_dir() -> str:
 
 
 def build_tiny_model(arch: str, folder, tokenizer_dir: str, seed: int = 0, **config_overrides):
-    """Save a random model of ``arch`` (with SmolLM2's tokenizer) to ``folder``; return the HF model."""
+    """Save a random model of ``arch`` (with SmolLM2's tokenizer) to ``folder``; return the HF model.
+
+    Biases get random values too (transformers starts them at zero, which would hide a missing one).
+    """
     torch.manual_seed(seed)
     config = TINY_CONFIGS[arch]()
     config.update(config_overrides)
     model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.5)
     model.generation_config.eos_token_id = None  # random weights: never stop early in transformers either
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:

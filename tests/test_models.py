@@ -2,7 +2,7 @@
 
 import random
 
-from conftest import hf_greedy
+from conftest import build_tiny_model, hf_greedy
 
 from nanoengine import LLM, SamplingParams
 
@@ -64,3 +64,10 @@ def test_preemption_matches_transformers(tiny_model):
         check_against_transformers(llm, hf_model, prompts_of_different_lengths()[1:6])
         assert llm.stats().num_preemptions > 0
         assert llm.stats().num_free_blocks == 8
+
+
+def test_llama_with_attention_bias_matches_transformers(tmp_path, smollm2_dir):
+    """attention_bias=True biases q, k, v and o in Llama; random biases make a missing one visible."""
+    hf_model = build_tiny_model("llama", tmp_path, smollm2_dir, attention_bias=True)
+    with LLM(str(tmp_path), max_model_len=256) as llm:
+        check_against_transformers(llm, hf_model, prompts_of_different_lengths()[2:5])

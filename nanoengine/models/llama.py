@@ -37,7 +37,9 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp_size()
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
+        # Llama and Qwen3 put attention_bias on every projection; Qwen2 biases q/k/v only.
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -61,6 +63,8 @@ class DecoderMLP(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         self.act = SiluAndMul()
