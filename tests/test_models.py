@@ -60,7 +60,7 @@ def record_prompt_chunks(llm: LLM) -> list[list[tuple[int, int, int]]]:
 
 def test_preemption_matches_transformers(tiny_model):
     _, folder, hf_model = tiny_model
-    with LLM(folder, max_model_len=256, num_kvcache_blocks=8, enable_prefix_caching=False) as llm:
+    with LLM(folder, max_model_len=128, num_kvcache_blocks=8, enable_prefix_caching=False) as llm:
         check_against_transformers(llm, hf_model, prompts_of_different_lengths()[1:6])
         assert llm.stats().num_preemptions > 0
         assert llm.stats().num_free_blocks == 8

@@ -1,6 +1,7 @@
 """The engine loop: requests go in with add_request, each step() runs one batch and says what changed."""
 
 import time
+import warnings
 from collections import deque
 
 from transformers import AutoTokenizer, GenerationConfig
@@ -27,11 +28,20 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.fit_max_model_len_to_kv_cache()
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
+
+    def fit_max_model_len_to_kv_cache(self) -> None:
+        """A request longer than the whole KV cache could never be scheduled, and would wait forever."""
+        capacity = len(self.block_manager.blocks) * self.config.kvcache_block_size
+        if self.config.max_model_len > capacity:
+            warnings.warn(f"max_model_len={self.config.max_model_len} exceeds the KV cache ({capacity} tokens); "
+                          f"lowering it to {capacity}", stacklevel=3)
+            self.config.max_model_len = capacity
 
     def find_eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} - {None}
@@ -56,12 +66,16 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (it is "
+                             f"{self.config.scheduling_policy!r})")
+        self.check_params_fit_vocab(params)
         text, token_ids, cache_salt = self.parse_prompt(prompt)
         self.check_prompt_tokens(token_ids)
         room = self.config.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        request = Request(request_id, text, token_ids, params, arrival_time or time.monotonic(), priority,
-                          cache_salt, max_tokens)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(request_id, text, token_ids, params, arrival_time, priority, cache_salt, max_tokens)
         request.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         return request
 
@@ -77,6 +91,11 @@ class LLMEngine:
             cache_salt = prompt.get("cache_salt")
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+            if not isinstance(prompt.get("prompt", ""), str):
+                raise TypeError(f"prompt must be a str, got {type(prompt['prompt']).__name__}")
+            if not isinstance(prompt.get("prompt_token_ids", []), list | tuple):
+                raise TypeError(f"prompt_token_ids must be a list of ints, got "
+                                f"{type(prompt['prompt_token_ids']).__name__}")
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
             if not prompt:
@@ -85,6 +104,15 @@ class LLMEngine:
         if isinstance(prompt, list | tuple):
             return None, list(prompt), cache_salt
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_params_fit_vocab(self, params: SamplingParams) -> None:
+        """Ids the sampler indexes with must exist, or the step would fail for the whole batch."""
+        vocab_size = self.config.hf_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab_size}), got {params.logprobs}")
+        bad = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids has id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -175,20 +203,23 @@ class LLMEngine:
     def record_logprobs(self, request: Request, token_id: int, row: tuple) -> None:
         logprob, rank, top_ids, top_values = row
         num_top = request.params.logprobs
-        entry = {tid: Logprob(value, r + 1) for r, (tid, value) in enumerate(zip(top_ids[:num_top],
-                                                                                   top_values[:num_top]))}
-        entry[token_id] = Logprob(logprob, rank)
+        entry = {tid: Logprob(value, r + 1, self.tokenizer.decode([tid]))
+                 for r, (tid, value) in enumerate(zip(top_ids[:num_top], top_values[:num_top]))}
+        entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
         request.logprobs.append(entry)
         request.cumulative_logprob += logprob
 
     def check_stop(self, request: Request, token_id: int) -> None:
         params = request.params
+        past_min_tokens = request.num_output_tokens > params.min_tokens
+        stop_token = token_id in request.stop_token_ids and past_min_tokens
         detokenizer = self.detokenizers.get(request.request_id)
-        if detokenizer is not None:
+        if detokenizer is not None and (not stop_token or params.include_stop_str_in_output):
             new_text = detokenizer.add(token_id)
-            if params.stop_strings and self.cut_at_stop_string(request, detokenizer, len(new_text)):
+            if params.stop_strings and past_min_tokens and self.cut_at_stop_string(request, detokenizer,
+                                                                                   len(new_text)):
                 return
-        if token_id in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
+        if stop_token:
             return self.scheduler.finish(request, "stop", token_id)
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             self.scheduler.finish(request, "length")
@@ -228,10 +259,18 @@ class LLMEngine:
                              request.is_finished, request.metrics, max(request.num_cached_tokens, 0))
 
     def output_text(self, request: Request) -> str:
+        params = request.params
         detokenizer = self.detokenizers.get(request.request_id)
         if detokenizer is not None:
-            return detokenizer.text
-        return self.tokenizer.decode(request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens)
+            if request.is_finished or not params.stop_strings or params.include_stop_str_in_output:
+                return detokenizer.text
+            # Hold back what may yet turn out to start a stop string, so that no output is ever taken back.
+            held_back = max(len(s) for s in params.stop_strings) - 1
+            return detokenizer.text[:max(0, len(detokenizer.text) - held_back)]
+        token_ids = request.output_token_ids
+        if isinstance(request.stop_reason, int) and not params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
     # Introspection -------------------------------------------------------------------------------
 

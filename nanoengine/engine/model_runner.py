@@ -14,6 +14,7 @@ from nanoengine.attention import load_backend
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.config import EngineConfig
 from nanoengine.distributed import min_over_ranks, rank_device
+from nanoengine.engine.cuda_graphs import capture_decode_graphs
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.layers.attention import Attention
@@ -69,6 +70,7 @@ class ModelRunner:
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.decode_graphs = capture_decode_graphs(self.model, config, self.device)
 
     def build_model(self) -> torch.nn.Module:
         hf_config = self.config.hf_config
@@ -148,6 +150,7 @@ class ModelRunner:
         for layer in self.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
+        self.decode_graphs = None
         if self.workers is not None:
             self.workers.close()
 
@@ -169,7 +172,10 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the rows that sample; None on tensor-parallel workers (rank 0 samples)."""
         input_ids, positions, meta, sample_rows = self.prepare_inputs(inputs)
-        hidden = self.model(input_ids, positions, meta)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[sample_rows])
 
     def prepare_inputs(self, inputs: StepInputs):
@@ -205,7 +211,6 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
-        ban_stop_tokens_before_min_tokens(logits, requests)
         params = [r.params for r in requests]
         tensors = SamplingTensors(
             temperatures=self.to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
@@ -216,17 +221,24 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params))
-        tokens = sample(logits, tensors, self.generator)
+        tokens = sample(ban_stop_tokens_before_min_tokens(logits, requests), tensors, self.generator)
         result = StepResult(requests, tokens.tolist())
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is not None:
+            # Raw model logprobs, as vLLM reports them: before min_tokens' ban and the temperature.
             sampled, ranks, top_values, top_ids = top_logprobs(logits, tokens, num_top)
             result.logprobs = list(zip(sampled.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()))
         return result
 
 
 
-def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
-    for row, request in enumerate(requests):
-        if request.num_output_tokens < request.params.min_tokens and request.stop_token_ids:
-            logits[row, list(request.stop_token_ids)] = float("-inf")
+def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The logits with the stop tokens of requests still short of min_tokens masked (a copy, if any are)."""
+    bans = [(row, list(r.stop_token_ids)) for row, r in enumerate(requests)
+            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids]
+    if not bans:
+        return logits
+    logits = logits.clone()
+    for row, stop_token_ids in bans:
+        logits[row, stop_token_ids] = float("-inf")
+    return logits

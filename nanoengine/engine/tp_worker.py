@@ -13,6 +13,10 @@ Rank 0 checks that every worker is alive before each step, so a dead worker
 is an error at the next step rather than a hang.
 """
 
+import contextlib
+import multiprocessing.connection
+import signal
+import time
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,6 +30,7 @@ from nanoengine.distributed import STEP_TIMEOUT, destroy_group, init_group, rank
 from nanoengine.engine.model_runner import ModelRunner, StepInputs
 
 HOST = "127.0.0.1"
+STARTED_KEY = "nanoengine/workers_started"
 JOIN_TIMEOUT_S = 30  # how long a closing engine waits for a worker to exit before killing it
 
 
@@ -98,6 +103,9 @@ class StepDecoder:
 
 def start_model_runner(config: EngineConfig) -> ModelRunner:
     """Rank 0's model runner; with tensor_parallel_size > 1 it first starts the other ranks."""
+    if dist.is_initialized():  # the layers would shard themselves over that group
+        raise RuntimeError("torch.distributed is already initialized in this process (is a tensor-parallel "
+                           "LLM still open?); close it before creating another LLM")
     if config.tensor_parallel_size == 1:
         return ModelRunner(config)
     workers = TensorParallelWorkers(config)
@@ -117,9 +125,6 @@ class TensorParallelWorkers:
     """
 
     def __init__(self, config: EngineConfig):
-        if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialized in this process (is another "
-                               "tensor-parallel LLM still open?); close it before creating this one")
         world_size = config.tensor_parallel_size
         # Port 0: the OS picks a free port, so engines on one machine never collide.
         store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=STEP_TIMEOUT)
@@ -129,6 +134,7 @@ class TensorParallelWorkers:
         for process in self.processes:
             process.start()
         try:
+            self.wait_until_started(store)
             self.control_group = init_group(store, 0, world_size, rank_device(config.device, 0, world_size))
         except BaseException:
             self.kill()
@@ -139,6 +145,18 @@ class TensorParallelWorkers:
         self.encoder = StepEncoder()
         self.broken: str | None = None  # why the ranks are out of step, once they are
 
+    def wait_until_started(self, store: dist.Store) -> None:
+        """Poll until every worker has checked in, so that one failing to start is an error, not a hang."""
+        deadline = time.monotonic() + STEP_TIMEOUT.total_seconds()
+        while int(store.add(STARTED_KEY, 0)) < len(self.processes):
+            dead = self.dead_workers()
+            if dead:
+                raise RuntimeError(f"{dead} while starting (a script that creates a tensor-parallel LLM must do "
+                                   "so under `if __name__ == '__main__':`, as worker processes import it)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {STEP_TIMEOUT}")
+            time.sleep(0.05)
+
     def run_step(self, inputs: StepInputs, forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
         """Send the step to the workers, then run rank 0's share of it with ``forward``."""
         self.raise_if_broken()
@@ -146,6 +164,7 @@ class TensorParallelWorkers:
             dist.broadcast_object_list([self.encoder.encode(inputs)], src=0, group=self.control_group)
             return forward(inputs)
         except BaseException as exc:
+            self.reap_ending_workers(timeout_s=1)
             dead = self.dead_workers()
             self.broken = dead or f"a step failed with {type(exc).__name__}: {exc}"
             self.kill()
@@ -158,6 +177,13 @@ class TensorParallelWorkers:
         if self.broken:
             self.kill()
             raise RuntimeError(f"tensor parallelism is broken ({self.broken}); close this LLM and create a new one")
+
+    def reap_ending_workers(self, timeout_s: float) -> None:
+        """A collective can fail on a dying worker before the OS reports the exit: wait a moment for it."""
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout_s)
+        for process in self.processes:
+            if process.sentinel in ended:
+                process.join()
 
     def dead_workers(self) -> str | None:
         dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
@@ -180,10 +206,8 @@ class TensorParallelWorkers:
 def stop_workers(processes: list, control_group: dist.ProcessGroup) -> None:
     """Ask the workers to exit (when all are alive), kill any that do not, then leave the group."""
     if all(p.is_alive() for p in processes):
-        try:
+        with contextlib.suppress(RuntimeError):  # a worker that died meanwhile is reaped below
             dist.broadcast_object_list([None], src=0, group=control_group)
-        except RuntimeError:
-            pass  # a worker died meanwhile: it is reaped below
     for process in processes:
         process.join(JOIN_TIMEOUT_S)
         if process.is_alive():
@@ -197,9 +221,14 @@ def stop_workers(processes: list, control_group: dist.ProcessGroup) -> None:
 
 def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     """A worker process: join the group, build this rank's shard, run every step rank 0 sends until None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0, which then stops the workers
     world_size = config.tensor_parallel_size
     store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=STEP_TIMEOUT)
-    control_group = init_group(store, rank, world_size, rank_device(config.device, rank, world_size))
+    store.add(STARTED_KEY, 1)
+    device = rank_device(config.device, rank, world_size)
+    if device.type == "cpu":  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    control_group = init_group(store, rank, world_size, device)
     runner = ModelRunner(config, rank)
     decoder = StepDecoder()
     while (message := receive_step(control_group)) is not None:

@@ -1,0 +1,533 @@
+"""Benchmarks for nanoengine: offline throughput, prefix-cache TTFT and chunked-prefill latency.
+
+    python bench.py --preset gpu [--model DIR] [--compare hf] [--json]
+    python bench.py --preset cpu [--compare hf]
+    python bench.py --preset prefix [--small]
+    python bench.py --preset chunked [--small]
+
+``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
+lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
+weights, which is enough for a throughput figure. ``cpu`` is the same kind of workload sized for a
+small CPU, on the default model (SmolLM2-135M-Instruct). ``--compare hf`` then runs transformers on
+the same model and the same prompts in the same process. Each throughput run also prints a roofline:
+the least time the hardware could need, from a matmul rate (and, on a GPU, a copy bandwidth)
+measured at start.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.models.llama import head_dim_of
+from nanoengine.utils.default_model import cache_dir, default_model_path
+
+QWEN3_0_6B_SHAPE = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_theta=1000000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+RANDOM_MODEL_NAME = "bench-qwen3-0.6b-random"
+
+
+@dataclass
+class Workload:
+    num_seqs: int
+    prompt_lens: tuple[int, int]  # inclusive range, drawn uniformly
+    output_lens: tuple[int, int]
+    temperature: float
+    dtype: str
+    max_model_len: int
+
+
+WORKLOADS = {
+    "gpu": Workload(256, (100, 1024), (100, 1024), 0.6, "bfloat16", 4096),
+    "cpu": Workload(32, (64, 512), (32, 256), 0.0, "float32", 2048),
+}
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+# The workload ---------------------------------------------------------------------------------------
+
+
+def make_requests(w: Workload) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py recipe: token ids uniform in [0, 10000], the same draws in the same order."""
+    random.seed(0)
+    randint = random.randint
+    prompts = [[randint(0, 10000) for _ in range(randint(*w.prompt_lens))] for _ in range(w.num_seqs)]
+    params = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=randint(*w.output_lens))
+              for _ in range(w.num_seqs)]
+    return prompts, params
+
+
+def random_qwen3_model(folder: Path | None = None) -> str:
+    """A Qwen3-0.6B-shaped checkpoint with random weights (bf16), built once and cached."""
+    folder = folder or cache_dir() / RANDOM_MODEL_NAME
+    if (folder / "model.safetensors").is_file():
+        return str(folder)
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    print(f"bench: building a random Qwen3-0.6B-shaped model in {folder} (once)", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        torch.manual_seed(0)
+        config = Qwen3Config(**QWEN3_0_6B_SHAPE, dtype="bfloat16")
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(temp)
+        byte_level_tokenizer().save_pretrained(temp)
+        temp.rename(folder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return str(folder)
+
+
+def byte_level_tokenizer():
+    """256 byte tokens and an end-of-text token: prompts here are token ids, so any tokenizer will do,
+    and one built in place needs no download (ids past its vocabulary decode to nothing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+
+
+def model_for(args) -> str:
+    """The model a preset runs: the random Qwen3-0.6B shape on a GPU, SmolLM2 on the CPU."""
+    if args.model:
+        return args.model
+    if args.preset == "gpu" or (args.preset != "cpu" and on_gpu()):
+        return random_qwen3_model()
+    return default_model_path()
+
+
+# Measured hardware rates ---------------------------------------------------------------------------------
+
+
+def time_best(fn, reps: int) -> float:
+    """Best wall time of ``reps`` calls after one warm-up (synchronizing the GPU around each)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def sync() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
+    n = 8192 if device == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / time_best(lambda: a @ b, reps=10)
+
+
+def copy_bytes_per_s(device: str) -> float:
+    """Device-to-device copy bandwidth, counting the bytes read and the bytes written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_best(lambda: dst.copy_(src), reps=10)
+
+
+@dataclass
+class Hardware:
+    matmul_flops: float
+    copy_bytes: float | None  # only measured on a GPU
+
+    @classmethod
+    def measure(cls, device: str, dtype: torch.dtype) -> "Hardware":
+        return cls(matmul_flops_per_s(device, dtype), copy_bytes_per_s(device) if device == "cuda" else None)
+
+
+# Roofline -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> "ModelShape":
+        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads, head_dim_of(config), config.intermediate_size, config.vocab_size)
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer's matmuls: q, k, v, o, and gate, up, down."""
+        qkv = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return qkv + self.num_heads * self.head_dim * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def matmul_params(self) -> int:
+        return self.num_layers * self.layer_params + self.vocab * self.hidden  # with the LM head
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def request_flops(self, prompt_len: int, output_len: int) -> int:
+        """Every token but the last output is fed once; each sampled token needs the LM head once;
+        a token at position p attends to p + 1 keys (QK^T and PV: 4 FLOPs per key and head dim)."""
+        fed = prompt_len + output_len - 1
+        linear = 2 * self.num_layers * self.layer_params * fed + 2 * self.vocab * self.hidden * output_len
+        attention = 4 * self.num_layers * self.num_heads * self.head_dim * fed * (fed + 1) // 2
+        return linear + attention
+
+    def decode_bytes(self, prompt_lens: list[int], output_lens: list[int], itemsize: int) -> int:
+        """The least a run's decode steps must read: all weights once per step (there are at least as many
+        steps as the longest output) plus, for every decoded token, the KV of its whole context."""
+        weights = self.matmul_params * itemsize * max(output_lens)
+        # Output token k >= 1 is fed at position P + k - 1 and reads P + k keys.
+        kv_tokens = sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens))
+        return weights + kv_tokens * self.kv_bytes_per_token * itemsize
+
+
+@dataclass
+class Roofline:
+    compute_s: float
+    memory_s: float | None
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.compute_s, self.memory_s or 0.0)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_s and self.memory_s > self.compute_s else "compute"
+
+
+def roofline(shape: ModelShape, prompt_lens: list[int], output_lens: list[int], itemsize: int,
+             hw: Hardware) -> Roofline:
+    flops = sum(shape.request_flops(p, o) for p, o in zip(prompt_lens, output_lens))
+    memory_s = None
+    if hw.copy_bytes:
+        memory_s = shape.decode_bytes(prompt_lens, output_lens, itemsize) / hw.copy_bytes
+    return Roofline(flops / hw.matmul_flops, memory_s)
+
+
+# Throughput runs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Throughput:
+    name: str
+    useful_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Throughput:
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return Throughput("nanoengine", sum(len(o.outputs[0].token_ids) for o in outputs), seconds)
+
+
+def load_hf_model(model: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+
+
+def hf_generation_config(temperature: float, max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, eos_token_id=None,
+                            pad_token_id=0, **sampling)
+
+
+@torch.inference_mode()
+def run_hf_generate(model, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> Throughput:
+    """transformers' generate over the whole batch, left-padded; every row runs to the longest request,
+    so only each request's own tokens count as useful."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    config = hf_generation_config(temperature, max(max_tokens))
+    model.generate(input_ids[:1, -16:], attention_mask=mask[:1, -16:], generation_config=hf_generation_config(
+        temperature, 8))  # warm-up
+    sync()
+    start = time.perf_counter()
+    model.generate(input_ids, attention_mask=mask, generation_config=config)
+    sync()
+    return Throughput("transformers generate", sum(max_tokens), time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_hf_continuous_batching(model, prompts: list[list[int]], max_tokens: list[int],
+                               temperature: float) -> Throughput | None:
+    """transformers' continuous batching (the manager behind ``generate_batch``), each request with its own
+    max_new_tokens; None where the installed transformers has none."""
+    if not hasattr(model, "continuous_batching_context_manager"):
+        return None
+    config = hf_generation_config(temperature, max(max_tokens))
+    config.min_new_tokens = None
+    config.eos_token_id = -1  # never stop early: the requests run to their own max_new_tokens
+    with model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                   continuous_batching_config=hf_cache_config(prompts, max_tokens),
+                                                   warmup=on_gpu()) as manager:
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, max_tokens)]
+        generated = 0
+        for _ in ids:
+            result = wait_finished(manager)
+            generated += len(result.generated_tokens)
+        seconds = time.perf_counter() - start
+    return Throughput("transformers generate_batch", generated, seconds)
+
+
+def hf_cache_config(prompts: list[list[int]], max_tokens: list[int]):
+    """On a GPU transformers sizes its cache from free memory; on the CPU it would take most of the RAM,
+    so it gets what the requests need (all at once)."""
+    from transformers import ContinuousBatchingConfig
+
+    if on_gpu():
+        return None
+    page = ContinuousBatchingConfig().page_size
+    return ContinuousBatchingConfig(num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(prompts, max_tokens)))
+
+
+def wait_finished(manager):
+    while True:
+        result = manager.get_result(timeout=600)
+        if result is None:
+            raise RuntimeError("transformers' continuous batching stopped without a result")
+        if result.is_finished():
+            return result
+
+
+def throughput_preset(args) -> dict:
+    return run_throughput(args.preset, WORKLOADS[args.preset], model_for(args), args.compare == "hf",
+                          enforce_eager=args.enforce_eager)
+
+
+def run_throughput(preset: str, workload: Workload, model: str, with_hf: bool, **llm_options) -> dict:
+    device = "cuda" if on_gpu() else "cpu"
+    dtype = getattr(torch, workload.dtype)
+    hw = Hardware.measure(device, dtype)
+    prompts, params = make_requests(workload)
+    with LLM(model, dtype=workload.dtype, max_model_len=workload.max_model_len, **llm_options) as llm:
+        ours = run_ours(llm, prompts, params)
+        shape = ModelShape.of(llm.config.hf_config)
+    max_tokens = [p.max_tokens for p in params]
+    floor = roofline(shape, [len(p) for p in prompts], max_tokens, dtype.itemsize, hw)
+    results = [ours]
+    if with_hf:
+        results += compare_hf(model, dtype, device, prompts, max_tokens, workload.temperature)
+    return throughput_report(preset, model, device, workload, hw, floor, results)
+
+
+def compare_hf(model_dir: str, dtype: torch.dtype, device: str, prompts, max_tokens, temperature) -> list:
+    model = load_hf_model(model_dir, dtype, device)
+    peers = [run_hf_generate(model, prompts, max_tokens, temperature)]
+    try:
+        peers.append(run_hf_continuous_batching(model, prompts, max_tokens, temperature))
+    except (ImportError, TypeError, AttributeError, RuntimeError) as error:  # its API moves between versions
+        print(f"bench: transformers' continuous batching failed, left out: {error!r}", file=sys.stderr)
+    return [p for p in peers if p is not None]
+
+
+def throughput_report(preset, model, device, workload, hw, floor: Roofline, results: list[Throughput]) -> dict:
+    ours = results[0]
+    peers = results[1:]
+    best_peer = max(peers, key=lambda r: r.tokens_per_s, default=None)
+    return {
+        "preset": preset, "model": model, "device": device_name(device), "dtype": workload.dtype,
+        "runs": [{"name": r.name, "output_tokens": r.useful_tokens, "seconds": r.seconds,
+                  "tokens_per_s": r.tokens_per_s, "ours_over_this": ours.tokens_per_s / r.tokens_per_s}
+                 for r in results],
+        "ours_over_best_peer": ours.tokens_per_s / best_peer.tokens_per_s if best_peer else None,
+        "matmul_tflops": hw.matmul_flops / 1e12,
+        "copy_gb_per_s": hw.copy_bytes / 1e9 if hw.copy_bytes else None,
+        "roofline_compute_s": floor.compute_s, "roofline_memory_s": floor.memory_s,
+        "roofline_floor_s": floor.floor_s, "roofline_bound": floor.bound,
+        "ours_percent_of_roofline": 100 * floor.floor_s / ours.seconds,
+    }
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{os.cpu_count()}-core CPU, {torch.get_num_threads()} torch threads"
+
+
+# Prefix caching --------------------------------------------------------------------------------------
+
+
+def prefix_preset(args) -> dict:
+    sizes = (16, 512, 32) if args.small or not on_gpu() else (64, 1024, 32)
+    return run_prefix(model_for(args), *sizes, enforce_eager=args.enforce_eager)
+
+
+def run_prefix(model: str, num_requests: int, shared_len: int, suffix_len: int, **llm_options) -> dict:
+    """Requests that share a long system prompt: mean TTFT with prefix caching on and off."""
+    random.seed(0)
+    shared = [random.randint(0, 10000) for _ in range(shared_len)]
+    prompts = [shared + [random.randint(0, 10000) for _ in range(suffix_len)] for _ in range(num_requests)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
+    report = {"preset": "prefix", "model": model, "device": device_name("cuda" if on_gpu() else "cpu"),
+              "num_requests": num_requests, "shared_prompt_tokens": shared_len, "suffix_tokens": suffix_len}
+    for caching in (True, False):
+        with LLM(model, enable_prefix_caching=caching, **llm_options) as llm:
+            llm.generate([shared], params, use_tqdm=False)  # warm-up; with caching on, the prompt is now cached
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            stats = llm.stats()
+        key = "on" if caching else "off"
+        report[f"mean_ttft_ms_caching_{key}"] = 1e3 * statistics.mean(o.metrics.time_to_first_token for o in outputs)
+        report[f"hit_rate_caching_{key}"] = stats.prefix_cache_hit_rate
+    report["ttft_off_over_on"] = report["mean_ttft_ms_caching_off"] / report["mean_ttft_ms_caching_on"]
+    return report
+
+
+# Chunked prefill -------------------------------------------------------------------------------------
+
+
+def chunked_preset(args) -> dict:
+    sizes = (8, 2048, 256) if args.small or not on_gpu() else (16, 8000, 512)
+    return run_chunked(model_for(args), *sizes, enforce_eager=args.enforce_eager)
+
+
+def run_chunked(model: str, num_decoders: int, long_len: int, threshold: int, **llm_options) -> dict:
+    """Decoders' inter-token latency while one long prompt arrives, with the long-prefill cap off and on."""
+    report = {"preset": "chunked", "model": model, "device": device_name("cuda" if on_gpu() else "cpu"),
+              "num_decoders": num_decoders, "long_prompt_tokens": long_len, "threshold": threshold}
+    for cap in (0, threshold):
+        with LLM(model, long_prefill_token_threshold=cap, max_model_len=long_len + 256, **llm_options) as llm:
+            gaps, long_ttft = decoder_gaps_around_long_prompt(llm, num_decoders, long_len)
+        key = "on" if cap else "off"
+        report[f"itl_p50_ms_threshold_{key}"] = 1e3 * percentile(gaps, 50)
+        report[f"itl_p99_ms_threshold_{key}"] = 1e3 * percentile(gaps, 99)
+        report[f"long_prompt_ttft_ms_threshold_{key}"] = 1e3 * long_ttft
+    return report
+
+
+def decoder_gaps_around_long_prompt(llm: LLM, num_decoders: int, long_len: int,
+                                    steps_after: int = 32) -> tuple[list[float], float]:
+    """Start the decoders, let them settle, add one long prompt; return the decoders' inter-token gaps
+    from its arrival until it has produced ``steps_after`` tokens, and the long prompt's TTFT."""
+    engine = llm.llm_engine
+    random.seed(0)
+    decoders = [f"decoder-{i}" for i in range(num_decoders)]
+    for rid in decoders:
+        engine.add_request(rid, [random.randint(0, 10000) for _ in range(64)],
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=long_len))
+    token_counts: dict[str, int] = {}
+    last_token_at: dict[str, float] = {}
+    for _ in range(4):  # every decoder has its prompt in and decodes
+        record_new_tokens(engine.step(), token_counts, last_token_at, gaps=[])
+    engine.add_request("long", [random.randint(0, 10000) for _ in range(long_len)],
+                       SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps_after))
+    arrival = time.perf_counter()
+    gaps: list[float] = []
+    long_ttft = None
+    while token_counts.get("long", 0) < steps_after:
+        record_new_tokens(engine.step(), token_counts, last_token_at, gaps)
+        if long_ttft is None and "long" in token_counts:
+            long_ttft = time.perf_counter() - arrival
+    engine.abort_request(decoders)
+    return gaps, long_ttft
+
+
+def record_new_tokens(outputs, token_counts: dict[str, int], last_token_at: dict[str, float],
+                      gaps: list[float]) -> None:
+    """Note which requests got tokens in this step; a decoder's gap is the time since its previous tokens."""
+    now = time.perf_counter()
+    for output in outputs:
+        rid, count = output.request_id, len(output.outputs[0].token_ids)
+        if count > token_counts.get(rid, 0):
+            if rid in last_token_at and rid != "long":
+                gaps.append(now - last_token_at[rid])
+            token_counts[rid], last_token_at[rid] = count, now
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+# Output ------------------------------------------------------------------------------------------
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['preset']} preset on {report['device']} ({report['model']})")
+    if "runs" in report:
+        print(f"{'engine':<30}{'output tokens':>15}{'seconds':>10}{'tok/s':>12}{'ours / it':>12}")
+        for run in report["runs"]:
+            print(f"{run['name']:<30}{run['output_tokens']:>15,}{run['seconds']:>10.2f}{run['tokens_per_s']:>12,.1f}"
+                  f"{run['ours_over_this']:>11.2f}x")
+        print(roofline_line(report))
+        return
+    width = max(len(k) for k in report)
+    for key, value in report.items():
+        if key not in ("preset", "device", "model"):
+            print(f"{key:<{width}}  {value:,.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+
+
+def roofline_line(report: dict) -> str:
+    rates = f"matmul {report['matmul_tflops']:.2f} TFLOP/s"
+    if report["copy_gb_per_s"]:
+        rates += f", copy {report['copy_gb_per_s']:,.0f} GB/s"
+        rates += f"; compute {report['roofline_compute_s']:.2f} s, memory {report['roofline_memory_s']:.2f} s"
+    return (f"roofline ({rates}): floor {report['roofline_floor_s']:.2f} s ({report['roofline_bound']}-bound); "
+            f"ours {report['runs'][0]['seconds']:.2f} s = {report['ours_percent_of_roofline']:.0f}% of the roofline")
+
+
+PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if on_gpu() else "cpu")
+    parser.add_argument("--model", help="a Hugging Face model folder (default: per preset)")
+    parser.add_argument("--compare", choices=["hf"], help="also run transformers on the same requests")
+    parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = PRESETS[args.preset](args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
