@@ -24,6 +24,15 @@ TINY_CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread; on a small shared machine two thread pools fight over the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     return default_model_path()

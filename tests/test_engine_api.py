@@ -18,13 +18,7 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model runs fastest on one thread; two threads contend on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from collections import Counter, defaultdict
 from itertools import count
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,13 +51,7 @@ workloads = st.fixed_dictionaries({
 })
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model runs fastest on one thread; two threads contend on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

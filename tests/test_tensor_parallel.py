@@ -28,13 +28,7 @@ PROMPTS = [SHARED_PREFIX + list(range(2000 + 10 * i, 2003 + 11 * i)) for i in ra
 SMALL_ENGINE = dict(max_num_batched_tokens=32, num_kvcache_blocks=8, max_model_len=128, dtype="float32")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two ranks on a small, shared CI machine: spinning thread pools would fight over the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
