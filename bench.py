@@ -86,7 +86,9 @@ def random_qwen3_model(folder: Path | None = None) -> str:
     try:
         torch.manual_seed(0)
         config = Qwen3Config(**QWEN3_0_6B_SHAPE, dtype="bfloat16")
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(temp)
+        with torch.device("cuda" if on_gpu() else "cpu"):  # random init of 0.6B weights is slow on a CPU
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(temp)
         byte_level_tokenizer().save_pretrained(temp)
         temp.rename(folder)
     finally:
@@ -246,6 +248,12 @@ class Throughput:
     def tokens_per_s(self) -> float:
         return self.useful_tokens / self.seconds
 
+    def announce(self) -> "Throughput":
+        """Each figure as soon as it is measured, so a run cut short still leaves it in the log."""
+        print(f"bench: {self.name}: {self.useful_tokens} tokens in {self.seconds:.2f} s = "
+              f"{self.tokens_per_s:,.1f} tok/s", file=sys.stderr, flush=True)
+        return self
+
 
 def run_ours(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Throughput:
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -272,13 +280,13 @@ def hf_generation_config(temperature: float, max_new_tokens: int):
 @torch.inference_mode()
 def run_hf_generate(model, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> Throughput:
     """transformers' generate over the whole batch, left-padded; every row runs to the longest request,
-    so only each request's own tokens count as useful."""
+    so only each request's own tokens count as useful. Its static cache is the faster one here."""
     longest = max(len(p) for p in prompts)
     input_ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    config = hf_generation_config(temperature, max(max_tokens))
-    model.generate(input_ids[:1, -16:], attention_mask=mask[:1, -16:], generation_config=hf_generation_config(
-        temperature, 8))  # warm-up
+    warm_up, config = (hf_generation_config(temperature, n) for n in (8, max(max_tokens)))
+    warm_up.cache_implementation = config.cache_implementation = "static"
+    model.generate(input_ids[:1, -16:], attention_mask=mask[:1, -16:], generation_config=warm_up)
     sync()
     start = time.perf_counter()
     model.generate(input_ids, attention_mask=mask, generation_config=config)
@@ -288,11 +296,9 @@ def run_hf_generate(model, prompts: list[list[int]], max_tokens: list[int], temp
 
 @torch.inference_mode()
 def run_hf_continuous_batching(model, prompts: list[list[int]], max_tokens: list[int],
-                               temperature: float) -> Throughput | None:
+                               temperature: float) -> Throughput:
     """transformers' continuous batching (the manager behind ``generate_batch``), each request with its own
-    max_new_tokens; None where the installed transformers has none."""
-    if not hasattr(model, "continuous_batching_context_manager"):
-        return None
+    max_new_tokens."""
     config = hf_generation_config(temperature, max(max_tokens))
     config.min_new_tokens = None
     config.eos_token_id = -1  # never stop early: the requests run to their own max_new_tokens
@@ -340,7 +346,7 @@ def run_throughput(preset: str, workload: Workload, model: str, with_hf: bool, *
     hw = Hardware.measure(device, dtype)
     prompts, params = make_requests(workload)
     with LLM(model, dtype=workload.dtype, max_model_len=workload.max_model_len, **llm_options) as llm:
-        ours = run_ours(llm, prompts, params)
+        ours = run_ours(llm, prompts, params).announce()
         shape = ModelShape.of(llm.config.hf_config)
     max_tokens = [p.max_tokens for p in params]
     floor = roofline(shape, [len(p) for p in prompts], max_tokens, dtype.itemsize, hw)
@@ -352,12 +358,12 @@ def run_throughput(preset: str, workload: Workload, model: str, with_hf: bool, *
 
 def compare_hf(model_dir: str, dtype: torch.dtype, device: str, prompts, max_tokens, temperature) -> list:
     model = load_hf_model(model_dir, dtype, device)
-    peers = [run_hf_generate(model, prompts, max_tokens, temperature)]
+    peers = [run_hf_generate(model, prompts, max_tokens, temperature).announce()]
     try:
-        peers.append(run_hf_continuous_batching(model, prompts, max_tokens, temperature))
+        peers.append(run_hf_continuous_batching(model, prompts, max_tokens, temperature).announce())
     except (ImportError, TypeError, AttributeError, RuntimeError) as error:  # its API moves between versions
-        print(f"bench: transformers' continuous batching failed, left out: {error!r}", file=sys.stderr)
-    return [p for p in peers if p is not None]
+        print(f"bench: transformers' continuous batching left out: {error!r}", file=sys.stderr)
+    return peers
 
 
 def throughput_report(preset, model, device, workload, hw, floor: Roofline, results: list[Throughput]) -> dict:

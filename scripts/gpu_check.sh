@@ -34,7 +34,7 @@ run() {
 }
 
 # The tests that need no default model (it is not on a bare GPU machine): kernels and graphs on CUDA.
-run tests 120 $PY -m pytest -q -x tests/test_triton_attention.py tests/test_cuda_graphs.py
+run tests 120 $PY -m pytest -q tests/test_triton_attention.py tests/test_cuda_graphs.py
 run tests_cuda_k 45 $PY -m pytest -q tests -k "cuda or gpu" \
     --ignore=tests/test_triton_attention.py --ignore=tests/test_cuda_graphs.py
 run bench_attn 60 $PY scripts/bench_attention.py

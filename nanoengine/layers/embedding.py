@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed import all_reduce, gather_on_rank0, tp_rank, tp_size
-from nanoengine.layers.linear import divide
+from nanoengine.layers.linear import divide, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,4 +32,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rows that need sampling; rank 0 gets the full vocabulary, others None."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_on_rank0(F.linear(hidden, self.weight), dim=-1)
+        return gather_on_rank0(linear(hidden, self.weight), dim=-1)

@@ -12,6 +12,18 @@ from torch import nn
 
 from nanoengine.distributed import all_reduce, tp_rank, tp_size
 
+# Up to this many rows (decode batches), the CPU's BLAS computes x @ W^T faster as (W @ x^T)^T: the weight
+# then streams through as the left operand instead of being repacked as the right one (3-4x faster at
+# 2 to 8 rows, 1.2x at 32; no faster beyond).
+CPU_FEW_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_FEW_ROWS:
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
@@ -33,7 +45,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -87,4 +99,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(linear(x, self.weight, bias))
