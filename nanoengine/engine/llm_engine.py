@@ -105,23 +105,23 @@ class LLMEngine:
             return None, list(prompt), cache_salt
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def check_in_vocab(self, field: str, token_ids: list[int]) -> None:
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{field} has {len(bad)} id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
     def check_params_fit_vocab(self, params: SamplingParams) -> None:
         """Ids the sampler indexes with must exist, or the step would fail for the whole batch."""
         vocab_size = self.config.hf_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size ({vocab_size}), got {params.logprobs}")
-        bad = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids has id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        self.check_in_vocab("stop_token_ids", params.stop_token_ids)
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt_token_ids is empty")
-        vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids has {len(bad)} id(s) outside the vocabulary [0, {vocab_size}): "
-                             f"{bad[:5]}")
+        self.check_in_vocab("prompt_token_ids", token_ids)
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate within "
                              f"max_model_len={self.config.max_model_len}")
