@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -9,7 +10,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Normalized in float32, scaled in the model's dtype, as Hugging Face's checkpoints were trained.
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -1,6 +1,7 @@
 """Rotary position embedding (the rotate-half layout Hugging Face checkpoints use)."""
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -42,8 +43,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: [num_tokens, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        """The cos and sin of every token's angles ([num_tokens, 1, head_dim]), looked up once per step and
+        shared by every layer."""
+        return Rotation(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+class Rotation(NamedTuple):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim]."""
+        return x * self.cos + rotate_half(x) * self.sin

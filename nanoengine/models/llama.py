@@ -16,7 +16,7 @@ from nanoengine.layers.attention import Attention
 from nanoengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoengine.layers.norm import RMSNorm
-from nanoengine.layers.rotary import RotaryEmbedding
+from nanoengine.layers.rotary import RotaryEmbedding, Rotation
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -30,7 +30,7 @@ def rope_parameters_of(config: PretrainedConfig) -> dict:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads // tp_size()
@@ -40,12 +40,11 @@ class DecoderAttention(nn.Module):
         # Llama and Qwen3 put attention_bias on every projection; Qwen2 biases q/k/v only.
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False))
-        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotation: Rotation, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -53,7 +52,7 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = rotation.apply(q), rotation.apply(k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
@@ -74,15 +73,15 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary_emb, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, rotation: Rotation, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rotation, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -90,16 +89,17 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        # One position table shared by every layer.
-        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_parameters_of(config))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary_emb, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
+            DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotation = self.rotary_emb(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(rotation, hidden, meta)
         return self.norm(hidden)
 
 
