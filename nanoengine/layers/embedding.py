@@ -31,5 +31,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rows that need sampling; rank 0 gets the full vocabulary, others None."""
 
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.packed_weight: torch.Tensor | None = None  # see pack_weights_for_onednn
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_on_rank0(linear(hidden, self.weight), dim=-1)
+        return gather_on_rank0(linear(hidden, self.weight, packed_weight=self.packed_weight), dim=-1)

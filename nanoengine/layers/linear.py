@@ -12,27 +12,33 @@ from torch import nn
 
 from nanoengine.distributed import all_reduce, tp_rank, tp_size
 
-# Up to this many rows (decode batches), the CPU's BLAS computes x @ W^T faster as (W @ x^T)^T: the weight
-# then streams through as the left operand instead of being repacked as the right one. Its speed also
-# depends on the row count: one row takes a slow matrix-vector path (2x slower than two rows), and 9 to 31
-# rows run up to 1.9x slower than the next multiple of 8. So the rows are padded with zeros to those sizes.
-CPU_FEW_ROWS = 32
 
-
-def cpu_padded_rows(rows: int) -> int:
-    if rows == 1:
-        return 2
-    return rows if rows <= 8 else -(-rows // 8) * 8
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.shape[0]
-    if x.device.type == "cpu" and x.dim() == 2 and rows <= CPU_FEW_ROWS:
-        if cpu_padded_rows(rows) > rows:
-            x = F.pad(x, (0, 0, 0, cpu_padded_rows(rows) - rows))
-        out = torch.mm(weight, x.t()).t()[:rows].contiguous()
-        return out if bias is None else out + bias
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed_weight: torch.Tensor | None = None) -> torch.Tensor:
+    if packed_weight is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [None], "")
     return F.linear(x, weight, bias)
+
+
+# On the CPU, torch's F.linear calls MKL, which on AMD processors runs its AVX2 code; oneDNN picks its kernels
+# by instruction set and runs AVX-512 there, 2.4x faster on this project's machine, at every row count. It
+# wants the weight in its own blocked layout, made once. torch exposes this pair of ops only privately (its
+# compiler uses them), so both calls are kept to this file.
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
+
+
+def can_pack_for_onednn(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_weights_for_onednn(model: nn.Module) -> None:
+    """Give every linear layer (and the LM head) a oneDNN copy of its weight; ``linear`` then uses it."""
+    for module in model.modules():
+        if hasattr(module, "packed_weight") and can_pack_for_onednn(module.weight):
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ONEDNN_ROWS_HINT)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -50,12 +56,13 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # see pack_weights_for_onednn
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -109,4 +116,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(linear(x, self.weight, bias))
+        return all_reduce(linear(x, self.weight, bias, self.packed_weight))
