@@ -48,7 +48,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     several query rows (a prompt or a prompt's chunk) is attended on its own.
     """
     out = torch.empty_like(q)
-    for batch in decode_batches(meta, k_cache.shape[1]):
+    for batch in decode_batches(meta, k_cache.shape[1], q.dtype):
         out[batch.rows] = decode_attention(q[batch.rows], k_cache, v_cache, batch, scale)
     starts = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -65,28 +65,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 class DecodeBatch:
     rows: torch.Tensor     # [batch]: the requests' query rows
     slots: torch.Tensor    # [batch, max_seq_len] int64: the cache slot of each context position
-    visible: torch.Tensor  # [batch, max_seq_len] bool: False on padding
+    mask: torch.Tensor     # [batch, 1, 1, max_seq_len]: 0 on context, -inf on padding (a float mask: SDPA
+                           # would convert a boolean one in every layer)
 
 
 # Every layer of a step gets the same metadata object: the decode batches are planned once per step.
 _planned: tuple[AttentionMetadata | None, list[DecodeBatch]] = (None, [])
 
 
-def decode_batches(meta: AttentionMetadata, block_size: int) -> list[DecodeBatch]:
+def decode_batches(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[DecodeBatch]:
     global _planned
     if _planned[0] is not meta:
-        _planned = (meta, plan_decode_batches(meta, block_size))
+        _planned = (meta, plan_decode_batches(meta, block_size, dtype))
     return _planned[1]
 
 
-def plan_decode_batches(meta: AttentionMetadata, block_size: int) -> list[DecodeBatch]:
+def plan_decode_batches(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[DecodeBatch]:
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decodes = sorted((i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
-    return [decode_batch(meta, decodes[b:b + DECODE_BATCH], block_size)
+    return [decode_batch(meta, decodes[b:b + DECODE_BATCH], block_size, dtype)
             for b in range(0, len(decodes), DECODE_BATCH)]
 
 
-def decode_batch(meta: AttentionMetadata, requests: list[int], block_size: int) -> DecodeBatch:
+def decode_batch(meta: AttentionMetadata, requests: list[int], block_size: int, dtype: torch.dtype) -> DecodeBatch:
     device = meta.seq_lens.device
     positions = torch.arange(meta.seq_lens_cpu[requests[-1]], device=device)  # the longest is last
     visible = positions < meta.seq_lens[requests, None]
@@ -95,7 +96,8 @@ def decode_batch(meta: AttentionMetadata, requests: list[int], block_size: int) 
     positions = torch.where(visible, positions, 0)
     blocks = meta.block_tables[requests].gather(1, positions // block_size).long()
     rows = torch.tensor([meta.query_start_loc_cpu[i] for i in requests], device=device)
-    return DecodeBatch(rows, blocks * block_size + positions % block_size, visible)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return DecodeBatch(rows, blocks * block_size + positions % block_size, mask[:, None, None, :])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
@@ -103,7 +105,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query row per request ([batch, num_heads, head_dim]), each over its own context."""
     k = gather_slots(k_cache, batch.slots, "k").transpose(1, 2)  # [batch, num_kv_heads, max_seq_len, head_dim]
     v = gather_slots(v_cache, batch.slots, "v").transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=batch.visible[:, None, None, :],
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=batch.mask,
                                          scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
