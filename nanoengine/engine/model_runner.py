@@ -21,6 +21,7 @@ from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import pack_weights_for_onednn
 from nanoengine.layers.sampler import SamplingTensors, sample, top_logprobs
 from nanoengine.models import model_class_for
+from nanoengine.utils.cpu_memory import keep_freed_memory
 from nanoengine.utils.loader import load_model
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class ModelRunner:
         self.workers = workers
         self.device = rank_device(config.device, rank, config.tensor_parallel_size)
         self.block_size = config.kvcache_block_size
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
