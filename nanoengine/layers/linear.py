@@ -12,20 +12,19 @@ from torch import nn
 
 from nanoengine.distributed import all_reduce, tp_rank, tp_size
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed_weight: torch.Tensor | None = None) -> torch.Tensor:
-    if packed_weight is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [None], "")
-    return F.linear(x, weight, bias)
-
-
 # On the CPU, torch's F.linear calls MKL, which on AMD processors runs its AVX2 code; oneDNN picks its kernels
 # by instruction set and runs AVX-512 there, 2.4x faster on this project's machine, at every row count. It
 # wants the weight in its own blocked layout, made once. torch exposes this pair of ops only privately (its
 # compiler uses them), so both calls are kept to this file.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed_weight: torch.Tensor | None = None) -> torch.Tensor:
+    if packed_weight is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [None], "")
+    return F.linear(x, weight, bias)
 
 
 def can_pack_for_onednn(weight: torch.Tensor) -> bool:
