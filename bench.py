@@ -30,7 +30,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers.linear import can_pack_for_onednn, linear, pack_weights_for_onednn
+from nanoengine.layers.linear import can_pack_for_onednn, linear, pack_for_onednn
 from nanoengine.models.llama import head_dim_of
 from nanoengine.utils.default_model import cache_dir, default_model_path
 
@@ -148,10 +148,8 @@ def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     seconds = time_best(lambda: a @ b, reps=10)
     if can_pack_for_onednn(b):
-        layer = torch.nn.Linear(n, n, bias=False, dtype=dtype)
-        layer.packed_weight = None
-        pack_weights_for_onednn(layer)
-        seconds = min(seconds, time_best(lambda: linear(a, layer.weight, packed_weight=layer.packed_weight), reps=10))
+        packed = pack_for_onednn(b)
+        seconds = min(seconds, time_best(lambda: linear(a, b, packed_weight=packed), reps=10))
     return 2 * n**3 / seconds
 
 

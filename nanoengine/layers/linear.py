@@ -33,11 +33,16 @@ def can_pack_for_onednn(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` in oneDNN's layout, for ``linear(..., packed_weight=)``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
+
+
 def pack_weights_for_onednn(model: nn.Module) -> None:
     """Give every linear layer (and the LM head) a oneDNN copy of its weight; ``linear`` then uses it."""
     for module in model.modules():
         if hasattr(module, "packed_weight") and can_pack_for_onednn(module.weight):
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), ONEDNN_ROWS_HINT)
+            module.packed_weight = pack_for_onednn(module.weight)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
