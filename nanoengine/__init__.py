@@ -2,7 +2,7 @@
 
 from nanoengine.llm import LLM
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
-from nanoengine.sampling_params import RequestOutputKind, SamplingParams
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "Logprob", "EngineStats"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "RequestMetrics", "Logprob", "EngineStats"]

@@ -11,6 +11,36 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar: set exactly one of the fields (vLLM's names)."""
+
+    json: str | dict | None = None        # a JSON schema, as a dict or a JSON string
+    regex: str | None = None
+    choice: list[str] | None = None       # the output is exactly one of these strings
+    grammar: str | None = None            # EBNF, in xgrammar's dialect
+    json_object: bool | None = None       # any JSON object
+
+    def __post_init__(self):
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {list(CONSTRAINTS)}, got {given or 'none'}")
+        types, expected = CONSTRAINTS[self.kind]
+        value = getattr(self, self.kind)
+        if not isinstance(value, types):
+            raise TypeError(f"structured_outputs.{self.kind} must be {expected}, got {type(value).__name__}")
+        if self.kind == "choice" and not (value and all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+CONSTRAINTS = {"json": ((str, dict), "a JSON schema (a dict or a str)"), "regex": (str, "a str"),
+               "choice": (list, "a list of str"), "grammar": (str, "a str"), "json_object": (bool, "a bool")}
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -27,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Derived: the stop strings as a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -50,6 +81,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.stop_strings = self.validated_stop()
