@@ -4,6 +4,7 @@
     python bench.py --preset cpu [--compare hf]
     python bench.py --preset prefix [--small]
     python bench.py --preset chunked [--small]
+    python bench.py --preset structured
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
@@ -23,13 +24,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, SamplingParams, StructuredOutputsParams
 from nanoengine.layers.linear import can_pack_for_onednn, linear, pack_for_onednn
 from nanoengine.models.llama import head_dim_of
 from nanoengine.utils.default_model import cache_dir, default_model_path
@@ -518,7 +519,43 @@ def roofline_line(report: dict) -> str:
             f"ours {report['runs'][0]['seconds']:.2f} s = {report['ours_percent_of_roofline']:.0f}% of the roofline")
 
 
-PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset}
+# Structured outputs ----------------------------------------------------------------------------------
+
+
+def structured_preset(args) -> dict:
+    return run_structured(WORKLOADS["cpu"], model_for(args), enforce_eager=args.enforce_eager)
+
+
+def run_structured(workload: Workload, model: str, **llm_options) -> dict:
+    """The cpu preset's requests twice in one run: unconstrained, then each with a JSON schema of its own.
+
+    Each schema asks for more list items than max_tokens allows, so no grammar ends a request early and
+    both runs produce the same tokens' worth of work.
+    """
+    prompts, params = make_requests(workload)
+    schemas = [{"type": "object", "required": [f"words{i}"], "properties": {f"words{i}": {
+        "type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": workload.output_lens[1] + 1}}}
+        for i in range(len(prompts))]
+    with LLM(model, dtype=workload.dtype, max_model_len=workload.max_model_len, **llm_options) as llm:
+        compiler = llm.llm_engine.structured_output_manager()
+        start = time.perf_counter()
+        constraints = [StructuredOutputsParams(json=s) for s in schemas]
+        for constraint in constraints:  # each schema is new; the compiler's cache serves the run below
+            compiler.compile(constraint)
+        compile_s = (time.perf_counter() - start) / len(schemas)
+        free = run_ours(llm, prompts, params).announce()
+        llm.reset_prefix_cache()
+        structured_params = [replace(p, structured_outputs=c) for p, c in zip(params, constraints)]
+        constrained = replace(run_ours(llm, prompts, structured_params), name="nanoengine, JSON schema").announce()
+    return {"preset": "structured", "model": model, "device": device_name("cuda" if on_gpu() else "cpu"),
+            "unconstrained_tok_s": free.tokens_per_s, "json_schema_tok_s": constrained.tokens_per_s,
+            "output_tokens_each": constrained.useful_tokens,
+            "slowdown_percent": 100 * (free.tokens_per_s / constrained.tokens_per_s - 1),
+            "compile_ms_per_schema": 1000 * compile_s}
+
+
+PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset,
+           "structured": structured_preset}
 
 
 def parse_args(argv=None):

@@ -19,6 +19,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None       # the output is exactly one of these strings
     grammar: str | None = None            # EBNF, in xgrammar's dialect
     json_object: bool | None = None       # any JSON object
+    disable_any_whitespace: bool = False  # JSON without optional whitespace: small models may loop on newlines
 
     def __post_init__(self):
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -28,6 +29,8 @@ class StructuredOutputsParams:
         value = getattr(self, self.kind)
         if not isinstance(value, types):
             raise TypeError(f"structured_outputs.{self.kind} must be {expected}, got {type(value).__name__}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise TypeError("structured_outputs.disable_any_whitespace must be a bool")
         if self.kind == "choice" and not (value and all(isinstance(c, str) and c for c in value)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
 

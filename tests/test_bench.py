@@ -71,3 +71,12 @@ def test_prefix_and_chunked_presets_report_their_figures(tiny_qwen3):
     for key in ("itl_p50_ms_threshold_off", "itl_p99_ms_threshold_on", "long_prompt_ttft_ms_threshold_on"):
         assert chunked[key] > 0
     json.dumps([prefix, chunked])
+
+
+def test_structured_preset_constrains_every_request_without_ending_any_early(tiny_qwen3):
+    workload = Workload(3, (8, 24), (2, 6), 0.0, "float32", 128)
+    report = bench.run_structured(workload, tiny_qwen3)
+    _, params = bench.make_requests(workload)
+    assert report["output_tokens_each"] == sum(p.max_tokens for p in params)
+    assert report["compile_ms_per_schema"] > 0 and report["json_schema_tok_s"] > 0
+    json.dumps(report)

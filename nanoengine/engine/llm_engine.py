@@ -12,6 +12,7 @@ from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
+from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager
 from nanoengine.engine.tp_worker import start_model_runner
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
@@ -32,6 +33,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
+        self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
 
@@ -77,7 +79,16 @@ class LLMEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, text, token_ids, params, arrival_time, priority, cache_salt, max_tokens)
         request.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.structured_outputs is not None:
+            request.matcher = self.structured_output_manager().new_matcher(params.structured_outputs,
+                                                                          request.stop_token_ids)
         return request
+
+    def structured_output_manager(self) -> StructuredOutputManager:
+        if self.structured_outputs is None:
+            self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
+                                                              self.eos_token_ids)
+        return self.structured_outputs
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int], str | None]:
         """A prompt is a str, a list of token ids, or a dict with ``prompt`` or ``prompt_token_ids``."""
@@ -160,13 +171,19 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
-        result = self.model_runner.execute(scheduled)
+        result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
         outputs = self.apply_samples(result)
         usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
         self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
         return outputs
+
+    def grammar_bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask | None:
+        if self.structured_outputs is None:
+            return None
+        sampling = [r for r, samples in zip(scheduled.requests, scheduled.samples()) if samples]
+        return self.structured_outputs.bitmask_for([r.matcher for r in sampling])
 
     def count_step_tokens(self, scheduled: SchedulerOutput) -> None:
         decode = sum(1 for r, n in zip(scheduled.requests, scheduled.num_new_tokens)
@@ -185,7 +202,11 @@ class LLMEngine:
             self.record_token_time(request, now)
             if result.logprobs is not None and request.logprobs is not None:
                 self.record_logprobs(request, token_id, result.logprobs[i])
-            self.check_stop(request, token_id)
+            if request.matcher is not None and not request.matcher.accept_token(token_id):
+                # The mask makes this impossible; if it happens anyway, only this request ends.
+                self.scheduler.finish(request, "error", f"structured_outputs: the grammar rejected token {token_id}")
+            else:
+                self.check_stop(request, token_id)
             output = self.make_output(request)
             if output is not None:
                 outputs.append(output)
@@ -212,7 +233,8 @@ class LLMEngine:
     def check_stop(self, request: Request, token_id: int) -> None:
         params = request.params
         past_min_tokens = request.num_output_tokens > params.min_tokens
-        stop_token = token_id in request.stop_token_ids and past_min_tokens
+        grammar_ended = request.matcher is not None and request.matcher.is_terminated()
+        stop_token = (token_id in request.stop_token_ids and past_min_tokens) or grammar_ended
         detokenizer = self.detokenizers.get(request.request_id)
         if detokenizer is not None and (not stop_token or params.include_stop_str_in_output):
             new_text = detokenizer.add(token_id)

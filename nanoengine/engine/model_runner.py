@@ -17,6 +17,7 @@ from nanoengine.distributed import min_over_ranks, rank_device
 from nanoengine.engine.cuda_graphs import capture_decode_graphs
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.engine.structured_output import GrammarBitmask, apply_bitmask
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import pack_weights_for_onednn
 from nanoengine.layers.sampler import SamplingTensors, sample, top_logprobs
@@ -50,14 +51,13 @@ class StepInputs:
 
     @classmethod
     def of(cls, step: SchedulerOutput) -> "StepInputs":
-        inputs = cls([], [], [], [], [])
+        inputs = cls([], [], [], [], step.samples())
         for request, num_new in zip(step.requests, step.num_new_tokens):
             start = request.num_computed_tokens
             inputs.request_ids.append(request.request_id)
             inputs.token_ids.append(request.all_token_ids[start:start + num_new])
             inputs.starts.append(start)
             inputs.block_tables.append(request.block_ids)
-            inputs.samples.append(start + num_new == request.num_tokens)
         return inputs
 
 
@@ -167,11 +167,12 @@ class ModelRunner:
     # One step ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def execute(self, step: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> StepResult:
+        """Run the model on one step and sample; ``grammar_bitmask`` constrains the structured requests' rows."""
         inputs = StepInputs.of(step)
         logits = self.forward(inputs) if self.workers is None else self.workers.run_step(inputs, self.forward)
         sampling_requests = [r for r, samples in zip(step.requests, inputs.samples) if samples]
-        return self.sample(logits.float(), sampling_requests)
+        return self.sample(logits.float(), sampling_requests, grammar_bitmask)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -215,7 +216,8 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               grammar_bitmask: GrammarBitmask | None = None) -> StepResult:
         params = [r.params for r in requests]
         tensors = SamplingTensors(
             temperatures=self.to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
@@ -226,11 +228,15 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params))
-        tokens = sample(ban_stop_tokens_before_min_tokens(logits, requests), tensors, self.generator)
+        allowed = ban_stop_tokens_before_min_tokens(logits, requests)
+        if grammar_bitmask is not None:
+            allowed = allowed.clone() if allowed is logits else allowed  # logprobs stay the raw model's
+            apply_bitmask(allowed, grammar_bitmask)
+        tokens = sample(allowed, tensors, self.generator)
         result = StepResult(requests, tokens.tolist())
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is not None:
-            # Raw model logprobs, as vLLM reports them: before min_tokens' ban and the temperature.
+            # Raw model logprobs, as vLLM reports them: before min_tokens' ban, the grammar and the temperature.
             sampled, ranks, top_values, top_ids = top_logprobs(logits, tokens, num_top)
             result.logprobs = list(zip(sampled.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()))
         return result
@@ -238,9 +244,14 @@ class ModelRunner:
 
 
 def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The logits with the stop tokens of requests still short of min_tokens masked (a copy, if any are)."""
+    """The logits with the stop tokens of requests still short of min_tokens masked (a copy, if any are).
+
+    A structured request whose output already matches its whole grammar is not held back: the grammar may
+    allow nothing but a stop token, and a row must never be all -inf.
+    """
     bans = [(row, list(r.stop_token_ids)) for row, r in enumerate(requests)
-            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids]
+            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids
+            and not (r.matcher is not None and r.matcher.is_completed())]
     if not bans:
         return logits
     logits = logits.clone()

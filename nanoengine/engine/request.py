@@ -43,6 +43,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_token_ids: set[int] = set()  # EOS (unless ignore_eos) and params.stop_token_ids
+        self.matcher = None  # a structured request's grammar matcher (xgrammar), set by the engine
         self.generator = self.seeded_generator()
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0

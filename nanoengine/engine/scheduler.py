@@ -26,6 +26,10 @@ class SchedulerOutput:
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def samples(self) -> list[bool]:
+        """Per request: True when its whole context is in after this step, so that it samples a token."""
+        return [r.num_computed_tokens + n == r.num_tokens for r, n in zip(self.requests, self.num_new_tokens)]
+
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
