@@ -13,6 +13,7 @@ from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.tp_worker import start_model_runner
+from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,6 +35,7 @@ class LLMEngine:
         self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
+        self.trace = StepTrace(self.scheduler) if config.trace else None
 
     def fit_max_model_len_to_kv_cache(self) -> None:
         """A request longer than the whole KV cache could never be scheduled, and would wait forever."""
@@ -160,6 +162,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
+        if self.trace is not None:
+            self.trace.log(scheduled)
         result = self.model_runner.execute(scheduled)
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
