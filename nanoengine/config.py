@@ -34,6 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
+    trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -64,7 +65,7 @@ class EngineConfig:
             check_number("num_kvcache_blocks", self.num_kvcache_blocks, int, low=1)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, (int, float), low=0, high=1)
         check_number("cpu_kvcache_space_gib", self.cpu_kvcache_space_gib, (int, float), low=0)
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
         if self.scheduling_policy not in POLICIES:

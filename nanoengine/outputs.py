@@ -74,3 +74,8 @@ class EngineStats:
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks held by live requests."""
         return 1 - self.num_free_blocks / self.num_kvcache_blocks
+
+    def plot(self, path: str) -> None:
+        """Draw ``step_history`` (running, waiting and KV usage per step) as a PNG; needs matplotlib."""
+        from nanoengine.engine.trace import plot_step_history
+        plot_step_history(self.step_history, path)

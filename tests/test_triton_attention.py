@@ -14,29 +14,23 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import functools  # noqa: E402
-import math  # noqa: E402
-
 import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
+from attention_cases import BLOCK_SIZE, NUM_KV_HEADS, make_step  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from nanoengine.attention import torch_backend, triton_backend  # noqa: E402
-from nanoengine.attention.metadata import AttentionMetadata  # noqa: E402
 
 # Both triton.language and the backend must have been decorated in interpreter mode.
 INTERPRETER_IN_PROCESS = all(isinstance(fn, InterpretedFunction)
                              for fn in (tl.standard.cdiv, triton_backend._paged_attention_kernel))
 
-BLOCK_SIZE = 16
-NUM_KV_HEADS = 2
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 # Requests as (cached_len, query_len): a decode, a chunk on a cached prefix, a fresh prompt, a
@@ -88,60 +82,6 @@ def run_on(device: str, request: pytest.FixtureRequest, check) -> None:
         pytest.skip("TRITON_INTERPRET=1 is set for this process: the CUDA cases need compiled kernels")
     else:
         check()
-
-
-class Step(NamedTuple):
-    q: torch.Tensor        # [num_tokens, num_heads, head_dim], a strided view
-    k: torch.Tensor        # [num_tokens, num_kv_heads, head_dim]: this step's new keys
-    v: torch.Tensor
-    k_cache: torch.Tensor  # random everywhere, so cached prefixes (and unowned blocks) hold data
-    v_cache: torch.Tensor
-    meta: AttentionMetadata
-
-
-def make_step(requests, group, head_dim, dtype, device, seed) -> Step:
-    """A random step for requests given as (cached_len, query_len).
-
-    Physical blocks are handed out in shuffled order, with spare blocks, so block tables are
-    non-contiguous and the caches hold blocks nobody owns.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [cached + query for cached, query in requests]
-    blocks_per_seq = [math.ceil(seq_len / BLOCK_SIZE) for seq_len in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.full((len(requests), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
-    for i, count in enumerate(blocks_per_seq):
-        block_tables[i, :count] = torch.tensor([free_blocks.pop() for _ in range(count)])
-
-    query_lens = [query for _, query in requests]
-    query_start_loc = [0]
-    for query_len in query_lens:
-        query_start_loc.append(query_start_loc[-1] + query_len)
-    slots = []
-    for i, (cached, query) in enumerate(requests):
-        for pos in range(cached, cached + query):
-            slots.append(int(block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
-
-    num_tokens, num_heads = query_start_loc[-1], NUM_KV_HEADS * group
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
-    to = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
-    # q and the new k, v are slices of one fused projection, as in the model.
-    qkv = to(torch.randn(num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen))
-    q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
-    k_cache = to(torch.randn(cache_shape, generator=gen))
-    v_cache = to(torch.randn(cache_shape, generator=gen))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-    )
-    return Step(q, k, v, k_cache, v_cache, meta)
 
 
 def check_attention(device, dtype, requests, group, head_dim, num_kv_splits, seed=0):

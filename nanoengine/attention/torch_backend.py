@@ -1,6 +1,6 @@
-"""Paged attention in plain torch: the readable statement of the math.
+"""Paged attention in plain torch: the oracle. Short and obviously correct, not fast.
 
-It runs anywhere and is the oracle that the Triton kernels are tested against.
+Every other backend (``cpu_backend``, ``triton_backend``) is tested against it.
 
 Cache layout, per layer: ``k_cache`` and ``v_cache`` are
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``t`` of a request
@@ -8,17 +8,9 @@ lives in block ``block_table[t // block_size]`` at offset ``t % block_size``,
 so its flat slot is ``block * block_size + offset``.
 """
 
-import math
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from nanoengine.attention.metadata import AttentionMetadata
-
-# Decodes per batched call: sorted by length, small batches pad little, and on the CPU a batch's
-# gathered K/V (megabytes) is still in the cache when attention reads it back: twice as fast as one batch.
-DECODE_BATCH = 8
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,100 +34,27 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of every query row ([num_tokens, num_heads, head_dim]) over its own context.
-
-    Decodes (one query row) are attended in padded batches of similar context lengths; a request with
-    several query rows (a prompt or a prompt's chunk) is attended on its own.
-    """
+    """Causal attention of every query row ([num_tokens, num_heads, head_dim]) over its own context."""
     out = torch.empty_like(q)
-    for batch in decode_batches(meta, k_cache.shape[1], q.dtype):
-        out[batch.rows] = decode_attention(q[batch.rows], k_cache, v_cache, batch, scale)
     starts = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
-        query_len = starts[i + 1] - starts[i]
-        if query_len > 1:
-            rows = slice(starts[i], starts[i + 1])
-            k = gather_context(k_cache, meta.block_tables[i], seq_len)
-            v = gather_context(v_cache, meta.block_tables[i], seq_len)
-            out[rows] = _attend(q[rows], k, v, seq_len - query_len, scale)
+        rows = slice(starts[i], starts[i + 1])
+        k = gather_context(k_cache, meta.block_tables[i], seq_len)
+        v = gather_context(v_cache, meta.block_tables[i], seq_len)
+        out[rows] = attend(q[rows], k, v, scale)
     return out
 
 
-@dataclass
-class DecodeBatch:
-    rows: torch.Tensor     # [batch]: the requests' query rows
-    slots: torch.Tensor    # [batch, max_seq_len] int64: the cache slot of each context position
-    mask: torch.Tensor     # [batch, 1, 1, max_seq_len]: 0 on context, -inf on padding (a float mask: SDPA
-                           # would convert a boolean one in every layer)
-
-
-# Every layer of a step gets the same metadata object: the decode batches are planned once per step.
-_planned: tuple[AttentionMetadata | None, list[DecodeBatch]] = (None, [])
-
-
-def decode_batches(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[DecodeBatch]:
-    global _planned
-    if _planned[0] is not meta:
-        _planned = (meta, plan_decode_batches(meta, block_size, dtype))
-    return _planned[1]
-
-
-def plan_decode_batches(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[DecodeBatch]:
-    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    decodes = sorted((i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
-    return [decode_batch(meta, decodes[b:b + DECODE_BATCH], block_size, dtype)
-            for b in range(0, len(decodes), DECODE_BATCH)]
-
-
-def decode_batch(meta: AttentionMetadata, requests: list[int], block_size: int, dtype: torch.dtype) -> DecodeBatch:
-    device = meta.seq_lens.device
-    positions = torch.arange(meta.seq_lens_cpu[requests[-1]], device=device)  # the longest is last
-    visible = positions < meta.seq_lens[requests, None]
-    # Padding re-reads the request's token 0: a slot never written may hold anything, even NaN,
-    # which would survive the mask.
-    positions = torch.where(visible, positions, 0)
-    blocks = meta.block_tables[requests].gather(1, positions // block_size).long()
-    rows = torch.tensor([meta.query_start_loc_cpu[i] for i in requests], device=device)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-    return DecodeBatch(rows, blocks * block_size + positions % block_size, mask[:, None, None, :])
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-                     scale: float) -> torch.Tensor:
-    """One query row per request ([batch, num_heads, head_dim]), each over its own context."""
-    k = gather_slots(k_cache, batch.slots, "k").transpose(1, 2)  # [batch, num_kv_heads, max_seq_len, head_dim]
-    v = gather_slots(v_cache, batch.slots, "v").transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=batch.mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
-
-
-_gather_buffers: dict[tuple, torch.Tensor] = {}
-
-
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
-    """The cache entries at ``slots`` ([batch, len] -> [batch, len, num_kv_heads, head_dim]), written
-    into a buffer kept between calls: on the CPU a fresh tensor this large (megabytes, per layer and step)
-    comes from the OS and pays a page fault for every 4 KiB of it."""
-    entry_shape = cache.shape[2:]
-    numel = slots.numel() * math.prod(entry_shape)
-    key = (name, cache.device, cache.dtype)
-    if key not in _gather_buffers or _gather_buffers[key].numel() < numel:
-        with torch.inference_mode(False):  # a normal tensor may be written in and out of inference mode
-            _gather_buffers[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
-    out = _gather_buffers[key][:numel].view(-1, *entry_shape)
-    torch.index_select(cache.flatten(0, 1), 0, slots.flatten(), out=out)
-    return out.view(*slots.shape, *entry_shape)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
-    """Query rows at positions first_pos.. over keys 0..; each KV head serves its group of query heads."""
-    # [1, heads, tokens, head_dim]: with a batch dimension the CPU takes its flash kernel, not the math path.
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    if first_pos == 0:  # a whole prompt: the plain causal mask
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        query_pos = first_pos + torch.arange(q.shape[2], device=q.device)
-        visible = torch.arange(k.shape[2], device=q.device)[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q`` ([query_len, num_heads, head_dim]) holds the last query_len positions of a context whose keys and
+    values are ``k``, ``v`` ([seq_len, num_kv_heads, head_dim]); each query row sees the keys up to its own
+    position. Computed in float32."""
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads  # GQA: KV head h serves query heads h * group .. (h + 1) * group - 1
+    k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    query_pos = seq_len - query_len + torch.arange(query_len, device=q.device)
+    visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

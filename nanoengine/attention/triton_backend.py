@@ -96,6 +96,31 @@ def _paged_attention_kernel(
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_KV: tl.constexpr):
+    """One program: one query tile of one request, one KV head, one split of the keys.
+
+    A worked example: three requests with query lengths 1, 5 and 17 (a decode, a short prompt, a
+    chunk), so ``query_start_loc = [0, 1, 6, 23]``, with 8 query heads over 2 KV heads (``GROUP = 4``),
+    ``BLOCK_Q = 16`` and ``BLOCK_M = 64``. Request i's tiles start at ``query_start_loc[i] // 16 + i``:
+    0, 1 and 2. The host launches ``23 // 16 + 3 = 4`` tiles per KV head:
+
+        program_id(0) | request | tile | query tokens (batch rows) | rows in use
+        0             | 0       | 0    | 0       (row 0)           | 1 token  x 4 heads = 4 of 64
+        1             | 1       | 0    | 0..4    (rows 1..5)       | 5 tokens x 4 heads = 20 of 64
+        2             | 2       | 0    | 0..15   (rows 6..21)      | 64 of 64
+        3             | 2       | 1    | 16      (row 22)          | 4 of 64
+
+    Program 3 finds its request by binary search: the last request whose first tile is <= 3. The
+    numbering may leave a request spare tile numbers (a request of 16 tokens gets tile numbers for 2
+    tiles); a program that lands on one returns at once.
+
+    Inside a tile, row r holds query token ``r // GROUP_PAD`` and head ``r % GROUP_PAD`` of the KV
+    head's group. For program (2, kv_head=1): rows 0..3 are token 0 with query heads 4, 5, 6, 7; rows
+    4..7 are token 1 with heads 4..7; and so on. So one K/V tile loaded for KV head 1 meets all four
+    heads that share it in one ``tl.dot``. With a group of 3 (SmolLM2: 9 heads, 3 KV heads),
+    ``GROUP_PAD`` is 4 and every fourth row is padding, masked by ``row_valid``.
+
+    The softmax is folded in tile by tile (tests/test_online_softmax.py states it in NumPy).
+    """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     seq, q_tile = _find_request(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q)
     kv_head = tl.program_id(1)

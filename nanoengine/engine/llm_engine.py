@@ -14,6 +14,7 @@ from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager
 from nanoengine.engine.tp_worker import start_model_runner
+from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,6 +37,7 @@ class LLMEngine:
         self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
+        self.trace = StepTrace(self.scheduler) if config.trace else None
 
     def fit_max_model_len_to_kv_cache(self) -> None:
         """A request longer than the whole KV cache could never be scheduled, and would wait forever."""
@@ -171,6 +173,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
             return []
+        if self.trace is not None:
+            self.trace.log(scheduled)
         result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
         self.count_step_tokens(scheduled)
         self.advance(scheduled)

@@ -21,6 +21,8 @@ from nanoengine.engine.request import Request, RequestStatus
 class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request, in the same order
+    admitted: list[Request] = field(default_factory=list)  # taken from waiting this step (also in requests)
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
 
     @property
     def total_tokens(self) -> int:
@@ -99,6 +101,7 @@ class Scheduler:
                 if victim in out.requests:
                     budget += out.remove(victim)
                 self.preempt(victim)
+                out.preempted.append(victim)
                 preempted = True
                 if victim is request:
                     break
@@ -123,6 +126,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.add(request, num_new)
+            out.admitted.append(request)
             budget -= num_new
 
     def preempt(self, request: Request) -> None:

@@ -1,7 +1,5 @@
 """The attention layer: write this step's K/V into the paged cache, then attend through it."""
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
@@ -12,8 +10,8 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # Set by the model runner once the cache is allocated.
-        self.backend: ModuleType | None = None
+        # Set by the model runner once the cache is allocated: a module or object with store_kv, paged_attention.
+        self.backend = None
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""The CPU attention backend against the plain torch oracle, on fresh random steps."""
+
+import pytest
+import torch
+from attention_cases import BLOCK_SIZE, make_step
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.attention import cpu_backend, load_backend, torch_backend
+from nanoengine.layers.attention import Attention
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+CASES = {
+    "mixed": [(37, 1), (32, 20), (0, 23), (47, 1), (0, 32), (0, 1)],
+    # More decodes than one batch holds, of spread lengths (padding inside each batch), and one prompt.
+    "many-decodes": [(n, 1) for n in (3, 90, 17, 200, 64, 5, 33, 129, 48, 1, 250)] + [(0, 40)],
+}
+
+
+def poison_unowned_slots(step) -> None:
+    """NaN in every cache slot outside the requests' contexts: a backend that reads one fails."""
+    owned = torch.zeros(step.k_cache.shape[:2], dtype=torch.bool).flatten()
+    for i, seq_len in enumerate(step.meta.seq_lens_cpu):
+        for pos in range(seq_len):
+            owned[int(step.meta.block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE] = True
+    for cache in (step.k_cache, step.v_cache):
+        cache.flatten(0, 1)[~owned] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_backend_matches_the_oracle(case, group, dtype):
+    step = make_step(CASES[case], group, 64, dtype, "cpu", seed=group)
+    poison_unowned_slots(step)
+    scale = 64 ** -0.5
+    expected_k, expected_v = step.k_cache.float(), step.v_cache.float()
+    torch_backend.store_kv(step.k.float(), step.v.float(), expected_k, expected_v, step.meta.slot_mapping)
+    expected = torch_backend.paged_attention(step.q.float(), expected_k, expected_v, step.meta, scale)
+
+    backend = cpu_backend.CpuBackend()
+    backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    out = backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, scale)
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_cpu_is_the_auto_backend_on_the_cpu_and_each_load_is_fresh():
+    assert isinstance(load_backend("cpu"), cpu_backend.CpuBackend)
+    assert load_backend("cpu") is not load_backend("cpu")
+
+
+def test_two_engines_in_one_process_share_no_attention_buffers(sharp_tiny_model):
+    folder, _ = sharp_tiny_model
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llms = [LLM(folder, num_kvcache_blocks=16, max_model_len=128) for _ in range(2)]
+    try:
+        for llm in llms:
+            llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)  # two decodes: one batched gather
+        backends = [next(m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)).backend
+                    for llm in llms]
+    finally:
+        for llm in llms:
+            llm.close()
+    first, second = backends
+    assert isinstance(first, cpu_backend.CpuBackend) and first is not second
+    assert first.gather_buffers and second.gather_buffers
+    first_ptrs = {b.data_ptr() for b in first.gather_buffers.values()}
+    assert first_ptrs.isdisjoint(b.data_ptr() for b in second.gather_buffers.values())
