@@ -45,6 +45,9 @@ class Request:
         self.stop_token_ids: set[int] = set()  # EOS (unless ignore_eos) and params.stop_token_ids
         self.generator = self.seeded_generator()
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # The first prompt token has no logprob (nothing predicts it): None, as in vLLM.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
