@@ -1,6 +1,7 @@
 """SamplingParams: how one request is decoded, validated when it is built."""
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -50,6 +51,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    # Penalties, as layers/sampler.py defines them: presence and frequency over the output tokens,
+    # repetition over the prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -58,6 +64,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token after the first: its logprob and the top N
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -72,6 +79,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         check_number("top_k", self.top_k, int, low=-1)
         check_number("min_p", self.min_p, (int, float), low=0, high=1)
+        check_number("presence_penalty", self.presence_penalty, (int, float), low=-2, high=2)
+        check_number("frequency_penalty", self.frequency_penalty, (int, float), low=-2, high=2)
+        check_number("repetition_penalty", self.repetition_penalty, (int, float))
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             check_number("seed", self.seed, int)
         if self.max_tokens is not None:
@@ -81,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             check_number("logprobs", self.logprobs, int, low=0)
+        if self.prompt_logprobs is not None:
+            check_number("prompt_logprobs", self.prompt_logprobs, int, low=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -95,6 +109,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validated_stop(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

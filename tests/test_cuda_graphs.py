@@ -48,8 +48,10 @@ def prefill_then_decode_step(runner, context_lens: list[int]) -> StepInputs:
     contexts = [[rng.randrange(512) for _ in range(n)] for n in context_lens]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(contexts))]
     ids = [str(i) for i in range(len(contexts))]
-    runner.forward(StepInputs(ids, contexts, [0] * len(contexts), tables, [True] * len(contexts)))
-    return StepInputs(ids, [[rng.randrange(512)] for _ in contexts], context_lens, tables, [True] * len(contexts))
+    runner.forward(StepInputs(ids, contexts, [0] * len(contexts), tables, [True] * len(contexts),
+                              [(0, 0)] * len(contexts)))
+    return StepInputs(ids, [[rng.randrange(512)] for _ in contexts], context_lens, tables, [True] * len(contexts),
+                      [(0, 0)] * len(contexts))
 
 
 @torch.inference_mode()

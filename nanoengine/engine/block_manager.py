@@ -63,13 +63,17 @@ class BlockManager:
             parent = request.block_hashes[-1] if i else None
             request.block_hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt))
 
+    def reads_cache(self, request: Request) -> bool:
+        """A request that asks for prompt logprobs computes its whole prompt, as in vLLM (it still fills the cache)."""
+        return self.enable_prefix_caching and request.params.prompt_logprobs is None
+
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks that matches the start of the request.
 
         The last token is never taken from the cache: it must be computed so
         there are logits to sample the next token from.
         """
-        if not self.enable_prefix_caching:
+        if not self.reads_cache(request):
             return []
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -84,7 +88,7 @@ class BlockManager:
 
     def record_lookup(self, request: Request, cached_prefix: list[Block]) -> None:
         """Count a scheduled request's prefix-cache lookup, in tokens as vLLM does."""
-        if self.enable_prefix_caching:
+        if self.reads_cache(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(cached_prefix) * self.block_size
 

@@ -127,8 +127,9 @@ class LLMEngine:
     def check_params_fit_vocab(self, params: SamplingParams) -> None:
         """Ids the sampler indexes with must exist, or the step would fail for the whole batch."""
         vocab_size = self.config.hf_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab_size}), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None and getattr(params, name) > vocab_size:
+                raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {getattr(params, name)}")
         self.check_in_vocab("stop_token_ids", params.stop_token_ids)
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:
@@ -178,6 +179,7 @@ class LLMEngine:
         result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
+        self.record_prompt_logprobs(result)
         outputs = self.apply_samples(result)
         usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
         self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
@@ -226,13 +228,23 @@ class LLMEngine:
         metrics.num_generation_tokens += 1
 
     def record_logprobs(self, request: Request, token_id: int, row: tuple) -> None:
+        request.logprobs.append(self.logprob_entry(token_id, row, request.params.logprobs))
+        request.cumulative_logprob += row[0]
+
+    def record_prompt_logprobs(self, result: StepResult) -> None:
+        """Each row is the next prompt position's: chunks join up, since position i is entry i."""
+        for request, rows in result.prompt_logprobs:
+            for row in rows:
+                token_id = request.prompt_token_ids[len(request.prompt_logprobs)]
+                request.prompt_logprobs.append(self.logprob_entry(token_id, row, request.params.prompt_logprobs))
+
+    def logprob_entry(self, token_id: int, row: tuple, num_top: int) -> dict[int, Logprob]:
+        """vLLM's logprobs of one position: the chosen token first, then the ``num_top`` most likely."""
         logprob, rank, top_ids, top_values = row
-        num_top = request.params.logprobs
-        entry = {tid: Logprob(value, r + 1, self.tokenizer.decode([tid]))
-                 for r, (tid, value) in enumerate(zip(top_ids[:num_top], top_values[:num_top]))}
-        entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id]))
-        request.logprobs.append(entry)
-        request.cumulative_logprob += logprob
+        entry = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id]))}
+        for top_rank, (tid, value) in enumerate(zip(top_ids[:num_top], top_values[:num_top]), start=1):
+            entry[tid] = Logprob(value, top_rank, self.tokenizer.decode([tid]))
+        return entry
 
     def check_stop(self, request: Request, token_id: int) -> None:
         params = request.params
@@ -270,19 +282,22 @@ class LLMEngine:
         if kind == RequestOutputKind.FINAL_ONLY and not request.is_finished:
             return None
         text, token_ids = self.output_text(request), request.output_token_ids
-        logprobs = request.logprobs
+        logprobs, prompt_logprobs = request.logprobs, request.prompt_logprobs
         if kind == RequestOutputKind.DELTA:
             sent_tokens, sent_chars = self.sent_offsets.get(request.request_id, (0, 0))
             self.sent_offsets[request.request_id] = (len(token_ids), len(text))
             text, token_ids = text[sent_chars:], token_ids[sent_tokens:]
             logprobs = None if logprobs is None else logprobs[sent_tokens:]
+            if prompt_logprobs is not None and sent_tokens:  # vLLM: all of them in the first delta only
+                prompt_logprobs = []
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(token_ids),
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
             logprobs=None if logprobs is None else list(logprobs),
             finish_reason=request.finish_reason, stop_reason=request.stop_reason)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.is_finished, request.metrics, max(request.num_cached_tokens, 0))
+                             request.is_finished, request.metrics, max(request.num_cached_tokens, 0),
+                             None if prompt_logprobs is None else list(prompt_logprobs))
 
     def output_text(self, request: Request) -> str:
         params = request.params

@@ -2,10 +2,11 @@
 
 Every scheduled token of every request goes into one flat batch; the
 attention metadata says which rows belong to which request and where each
-request's blocks are. Logits are computed only for the rows that sample.
+request's blocks are. Logits are computed only for the rows that sample, and
+for the prompt rows of requests that ask for prompt logprobs.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.engine.structured_output import GrammarBitmask, apply_bitmask
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import pack_weights_for_onednn
-from nanoengine.layers.sampler import SamplingTensors, sample, top_logprobs
+from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
 from nanoengine.utils.cpu_memory import keep_freed_memory
 from nanoengine.utils.loader import load_model
@@ -37,6 +38,9 @@ class StepResult:
     token_ids: list[int]
     # With logprobs requested: per row (sampled logprob, rank, top ids, top logprobs).
     logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+    # Per request that asked for prompt logprobs and computed prompt rows: (request, rows as above).
+    prompt_logprobs: list[tuple[Request, list[tuple[float, int, list[int], list[float]]]]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -48,17 +52,30 @@ class StepInputs:
     starts: list[int]  # the position of each request's first new token
     block_tables: list[list[int]]
     samples: list[bool]  # True when the request's whole context is in after this step: it samples
+    # (first position, count) of the rows whose logits give prompt logprobs; (0, 0) for none.
+    prompt_rows: list[tuple[int, int]]
 
     @classmethod
     def of(cls, step: SchedulerOutput) -> "StepInputs":
-        inputs = cls([], [], [], [], step.samples())
+        inputs = cls([], [], [], [], step.samples(), [])
         for request, num_new in zip(step.requests, step.num_new_tokens):
             start = request.num_computed_tokens
             inputs.request_ids.append(request.request_id)
             inputs.token_ids.append(request.all_token_ids[start:start + num_new])
             inputs.starts.append(start)
             inputs.block_tables.append(request.block_ids)
+            inputs.prompt_rows.append(prompt_rows(request, start, num_new))
         return inputs
+
+
+def prompt_rows(request: Request, start: int, num_new: int) -> tuple[int, int]:
+    """The rows of this chunk that predict a prompt token whose logprobs are not recorded yet.
+
+    The row at position q predicts token q + 1. Rows already recorded (before a preemption) are skipped."""
+    if request.prompt_logprobs is None:
+        return 0, 0
+    first = max(start, len(request.prompt_logprobs) - 1)
+    return first, max(0, min(start + num_new, request.num_prompt_tokens - 1) - first)
 
 
 class ModelRunner:
@@ -172,26 +189,29 @@ class ModelRunner:
         inputs = StepInputs.of(step)
         logits = self.forward(inputs) if self.workers is None else self.workers.run_step(inputs, self.forward)
         sampling_requests = [r for r, samples in zip(step.requests, inputs.samples) if samples]
-        return self.sample(logits.float(), sampling_requests, grammar_bitmask)
+        logits = logits.float()
+        result = self.sample(logits[:len(sampling_requests)], sampling_requests, grammar_bitmask)
+        result.prompt_logprobs = self.prompt_logprobs(logits[len(sampling_requests):], step.requests, inputs)
+        return result
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The logits of the rows that sample; None on tensor-parallel workers (rank 0 samples)."""
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(inputs)
+        """The logits of the rows that sample, then of the prompt rows; None on tensor-parallel workers."""
+        input_ids, positions, meta, logit_rows = self.prepare_inputs(inputs)
         if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
             hidden = self.decode_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[logit_rows])
 
     def prepare_inputs(self, inputs: StepInputs):
-        input_ids, seq_lens, query_start_loc, sample_rows = [], [], [0], []
+        input_ids, seq_lens, query_start_loc, logit_rows = [], [], [0], []
         for token_ids, start, samples in zip(inputs.token_ids, inputs.starts, inputs.samples):
             input_ids.extend(token_ids)
             seq_lens.append(start + len(token_ids))
             query_start_loc.append(query_start_loc[-1] + len(token_ids))
             if samples:
-                sample_rows.append(query_start_loc[-1] - 1)
+                logit_rows.append(query_start_loc[-1] - 1)
         max_blocks = max(len(b) for b in inputs.block_tables)
         block_table = torch.tensor([b + [-1] * (max_blocks - len(b)) for b in inputs.block_tables],
                                    dtype=torch.int32)
@@ -208,8 +228,10 @@ class ModelRunner:
             block_tables=self.to_device(block_table),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        for (first, count), start, row0 in zip(inputs.prompt_rows, inputs.starts, query_start_loc):
+            logit_rows.extend(range(row0 + first - start, row0 + first - start + count))
         return (self.to_device(torch.tensor(input_ids)), self.to_device(positions), meta,
-                self.to_device(torch.tensor(sample_rows, dtype=torch.int64)))
+                self.to_device(torch.tensor(logit_rows, dtype=torch.int64)))
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -228,11 +250,16 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params))
-        allowed = ban_stop_tokens_before_min_tokens(logits, requests)
+        processed = ban_stop_tokens_before_min_tokens(logits, requests)
+        if any(p.has_penalties for p in params):
+            processed = apply_penalties(
+                processed, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                *(self.to_device(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32))
+                  for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")))
         if grammar_bitmask is not None:
-            allowed = allowed.clone() if allowed is logits else allowed  # logprobs stay the raw model's
-            apply_bitmask(allowed, grammar_bitmask)
-        tokens = sample(allowed, tensors, self.generator)
+            processed = processed.clone() if processed is logits else processed  # logprobs stay the raw model's
+            apply_bitmask(processed, grammar_bitmask)
+        tokens = sample(processed, tensors, self.generator)
         result = StepResult(requests, tokens.tolist())
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is not None:
@@ -241,6 +268,18 @@ class ModelRunner:
             result.logprobs = list(zip(sampled.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()))
         return result
 
+    def prompt_logprobs(self, logits: torch.Tensor, requests: list[Request], inputs: StepInputs) -> list:
+        """Raw logprobs of the prompt rows (the logits after the sampling rows), per request that has some."""
+        results, row = [], 0
+        for request, (first, count) in zip(requests, inputs.prompt_rows):
+            if count:
+                targets = torch.tensor(request.prompt_token_ids[first + 1:first + 1 + count], device=logits.device)
+                chosen, ranks, top_values, top_ids = top_logprobs(logits[row:row + count], targets,
+                                                                  request.params.prompt_logprobs)
+                results.append((request, list(zip(chosen.tolist(), ranks.tolist(), top_ids.tolist(),
+                                                  top_values.tolist()))))
+                row += count
+        return results
 
 
 def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -46,6 +46,9 @@ class Request:
         self.matcher = None  # a structured request's grammar matcher (xgrammar), set by the engine
         self.generator = self.seeded_generator()
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # The first prompt token has no logprob (nothing predicts it): None, as in vLLM.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 

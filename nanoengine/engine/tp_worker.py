@@ -43,6 +43,7 @@ class RequestDelta(NamedTuple):
     num_kept_blocks: int  # how much of the worker's block table stays (0 after a preemption)
     new_block_ids: list[int]  # appended after the kept blocks
     samples: bool
+    prompt_rows: tuple[int, int]
 
 
 class StepMessage(NamedTuple):
@@ -63,15 +64,16 @@ class StepEncoder:
 
     def encode(self, inputs: StepInputs) -> StepMessage:
         deltas = []
-        for request_id, token_ids, start, block_ids, samples in zip(
-                inputs.request_ids, inputs.token_ids, inputs.starts, inputs.block_tables, inputs.samples):
+        for request_id, token_ids, start, block_ids, samples, prompt_rows in zip(
+                inputs.request_ids, inputs.token_ids, inputs.starts, inputs.block_tables, inputs.samples,
+                inputs.prompt_rows):
             sent = self.sent_tables.setdefault(request_id, [])
             # Tables only grow, except that a preempted request starts over with new blocks.
             num_kept = len(sent) if block_ids[:len(sent)] == sent else 0
             new_block_ids = block_ids[num_kept:]
             del sent[num_kept:]
             sent.extend(new_block_ids)
-            deltas.append(RequestDelta(request_id, token_ids, start, num_kept, new_block_ids, samples))
+            deltas.append(RequestDelta(request_id, token_ids, start, num_kept, new_block_ids, samples, prompt_rows))
         finished_ids, self.finished_ids = self.finished_ids, []
         return StepMessage(finished_ids, deltas)
 
@@ -85,7 +87,7 @@ class StepDecoder:
     def decode(self, message: StepMessage) -> StepInputs:
         for request_id in message.finished_ids:
             del self.tables[request_id]
-        inputs = StepInputs([], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [])
         for delta in message.requests:
             table = self.tables.setdefault(delta.request_id, [])
             del table[delta.num_kept_blocks:]
@@ -95,6 +97,7 @@ class StepDecoder:
             inputs.starts.append(delta.start)
             inputs.block_tables.append(table)
             inputs.samples.append(delta.samples)
+            inputs.prompt_rows.append(delta.prompt_rows)
         return inputs
 
 

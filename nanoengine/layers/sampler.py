@@ -1,4 +1,16 @@
-"""Batched sampling: greedy, temperature, top-k, top-p and min-p, with optional per-request seeds.
+"""Batched sampling in vLLM's order: penalties; then, for the rows that sample, temperature, min-p, top-k, top-p.
+
+- Penalties (they change greedy rows too): repetition scales the logits of the
+  tokens seen in the prompt or the output (a positive logit is divided by it, a
+  negative one multiplied); frequency subtracts its value once per time a token
+  was output; presence subtracts its value once if the token was output at all.
+- Temperature divides the logits.
+- min-p drops the tokens whose probability is below ``min_p`` times the top one's.
+- top-k keeps the tokens whose logit is at least the k-th largest (ties at the
+  boundary all stay).
+- top-p works on what top-k kept, renormalized: going up from the least likely
+  token, it drops tokens while their cumulative mass is at most ``1 - top_p``.
+  The most likely token always stays.
 
 Sampling draws ``argmax(probs / noise)`` with exponential noise, which picks
 token i with probability ``probs[i]``. A seeded request draws its noise row
@@ -24,7 +36,7 @@ class SamplingTensors:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
-    """logits: [rows, vocab] float32. Returns [rows] int64 token ids."""
+    """logits: [rows, vocab] float32, penalties already applied. Returns [rows] int64 token ids."""
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
         return greedy
@@ -39,26 +51,50 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
 
 
 def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Mask (to -inf) the tokens that top-k, top-p and min-p rule out."""
-    if t.any_top_k_or_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[1], device=logits.device).expand_as(logits)
-        top_ks = torch.where(t.top_ks > 0, t.top_ks, logits.shape[1]).unsqueeze(1)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # the best token always stays
-        drop = (rank >= top_ks) | (mass_before >= t.top_ps.unsqueeze(1))
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    """Mask (to -inf) the tokens that min-p, then top-k, then top-p rule out. The temperature is applied."""
     if t.any_min_p:
         probs = logits.softmax(dim=-1)
-        floor = t.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        floor = t.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
+    if t.any_top_k_or_p:
+        logits = top_k_top_p(logits, t.top_ks, t.top_ps)
     return logits
 
 
+def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    ascending, order = logits.sort(dim=-1)
+    vocab_size = logits.shape[1]
+    top_ks = torch.where(top_ks > 0, top_ks, vocab_size).clamp(max=vocab_size)
+    kth_largest = ascending.gather(1, (vocab_size - top_ks).unsqueeze(1))
+    ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # over top-k's survivors only
+    drop = mass_up_to <= 1 - top_ps.unsqueeze(1)
+    drop[:, -1] = False
+    return logits.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Presence, frequency and repetition penalties (vLLM's definitions, see above); one row per request."""
+    output_counts = token_counts(output_ids, logits.shape[1]).to(logits.device)
+    seen = (token_counts(prompt_ids, logits.shape[1]).to(logits.device) > 0) | (output_counts > 0)
+    scale = torch.where(seen, repetition.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits * (1 / scale), logits * scale)
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
+
+
+def token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] float32: how many times each token occurs in each row's list."""
+    return torch.stack([torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size).float()
+                        for ids in rows])
+
+
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int):
-    """Each row's sampled-token logprob and rank, and its ``num_top`` most likely tokens (raw model logprobs)."""
+    """Each row's given-token logprob and rank, and its ``num_top`` most likely tokens (raw model logprobs).
+
+    The rank counts the tokens at least as likely as the given one (vLLM's: ties share the worse rank)."""
     logprobs = logits.log_softmax(dim=-1)
-    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
     top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], tokens[:, None][:, :0])
-    return sampled, ranks, top_values, top_ids
+    return chosen, ranks, top_values, top_ids
