@@ -4,7 +4,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanoengine.attention import resolve_backend
 from nanoengine.layers.linear import divide
@@ -12,6 +12,10 @@ from nanoengine.sampling_params import check_number
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POLICIES = ("fcfs", "priority")
+DEFAULT_MAX_NUM_SEQS = 256
+# The generation_config.json fields that become a request's defaults when it passes no SamplingParams (as vLLM).
+GENERATION_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                       "top_p", "min_p", "max_new_tokens")
 
 
 @dataclass
@@ -21,7 +25,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = the checkpoint's dtype
     device: str = "auto"  # "auto" = cuda when available, else cpu
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None = 256, or max_num_batched_tokens when that is lower (as vLLM)
     max_num_batched_tokens: int = 8192
     kvcache_block_size: int = 16
     num_kvcache_blocks: int | None = None  # None = sized from memory (see below)
@@ -35,6 +39,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
     trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
+    generation_config: str = "auto"  # sampling defaults from: "auto" the model, "vllm" none, or a folder
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -57,6 +62,9 @@ class EngineConfig:
         self.device = self.resolved_device()
         self.torch_dtype = self.resolved_dtype()
         self.max_model_len = self.resolved_max_model_len()
+        check_number("max_num_batched_tokens", self.max_num_batched_tokens, int, low=1)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             check_number(name, getattr(self, name), int, low=1)
         check_number("long_prefill_token_threshold", self.long_prefill_token_threshold, int, low=0)
@@ -68,10 +76,30 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "trace"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running request needs a token each step")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(str(self.generation_config)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
         self.check_tensor_parallel()
+
+    def default_sampling_params(self) -> dict:
+        """The sampling fields that generation_config.json sets, with max_new_tokens named max_tokens."""
+        if self.generation_config == "vllm":
+            return {}
+        folder = self.model if self.generation_config == "auto" else self.generation_config
+        try:
+            generation = GenerationConfig.from_pretrained(folder)
+        except OSError:  # no generation_config.json: vLLM reads the model's config.json instead
+            generation = GenerationConfig.from_model_config(self.hf_config if folder == self.model else {})
+        given = generation.to_diff_dict()
+        defaults = {name: given[name] for name in GENERATION_DEFAULTS if given.get(name) is not None}
+        if "max_new_tokens" in defaults:
+            defaults["max_tokens"] = defaults.pop("max_new_tokens")
+        return defaults
 
     def check_tensor_parallel(self) -> None:
         """Fail here, before any worker process starts, when the model cannot be split evenly."""

@@ -17,15 +17,20 @@ class LLM:
         self.config = EngineConfig.from_options(model, options)
         self.llm_engine = LLMEngine(self.config)
         self.request_counter = count()
+        self.generation_defaults = self.config.default_sampling_params()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request gets when it passes no SamplingParams: the model's generation_config.json sampling fields."""
+        return SamplingParams(**self.generation_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; the outputs come back in the prompts' order."""
         prompts = as_prompt_list(prompts)
-        params = per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams())
+        params = per_prompt("sampling_params", sampling_params, len(prompts), self.get_default_sampling_params())
         priorities = per_prompt("priority", priority, len(prompts), 0, broadcast=False)
         engine = self.llm_engine
         # Validate every prompt before queuing any, so a bad one leaves the engine untouched.
@@ -36,28 +41,43 @@ class LLM:
         return self.run_until_done([r.request_id for r in requests], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+             use_tqdm: bool = True, priority: list[int] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them.
+
+        ``chat_template`` replaces the tokenizer's template; ``chat_template_kwargs`` are extra template
+        variables; ``continue_final_message`` lets the model extend the last (assistant) message.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+        prompts = [tokenizer.apply_chat_template(c, chat_template=chat_template, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 **(chat_template_kwargs or {}))
                    for c in conversations]
         # The template already holds any special tokens, so it is tokenized without adding more.
         token_prompts = [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm)
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority)
         for output, prompt in zip(outputs, prompts):
             output.prompt = prompt
         return outputs
 
     def run_until_done(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until these requests finish; outputs of requests added to llm_engine directly are kept for it."""
         finished: dict[str, RequestOutput] = {}
+        wanted, others = set(request_ids), []
         engine = self.llm_engine
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         speed = ThroughputMeter()
         try:
-            while engine.has_unfinished_requests():
+            while len(finished) < len(request_ids) and engine.scheduler.has_unfinished_requests():
                 for output in engine.step():
-                    if output.finished:
+                    if output.request_id not in wanted:
+                        others.append(output)
+                    elif output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
                 speed.add(*engine.last_step_tokens)
@@ -67,6 +87,7 @@ class LLM:
             raise
         finally:
             bar.close()
+            engine.hold_outputs(others)
         return [finished[rid] for rid in request_ids]
 
     def stats(self) -> EngineStats:

@@ -18,7 +18,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
 
 
 @dataclass

@@ -72,7 +72,7 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        check_number("n", self.n, int, low=1, high=1, why="only n=1 is supported")
+        check_number("n", self.n, int, low=1)
         check_number("temperature", self.temperature, (int, float), low=0)
         check_number("top_p", self.top_p, (int, float), high=1)
         if not self.top_p > 0:

@@ -55,7 +55,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 1.5}, "max_tokens"), ({"seed": "x"}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"ignore_eos": 1}, "ignore_eos"), ({"n": 2}, "n"), ({"logprobs": -1}, "logprobs"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"n": 0}, "n"), ({"logprobs": -1}, "logprobs"),
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"stop": [""]}, "stop"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):

@@ -185,34 +185,46 @@ def test_priority_under_fcfs_is_refused(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_preemption_picks_the_least_important_running_request(folder, hf_model, policy):
+def test_fcfs_preempts_the_last_admitted_request_even_on_an_arrival_tie(folder, hf_model):
+    """vLLM's FCFS victim is the last of the running list; the victim then resumes first."""
+    with LLM(folder, max_model_len=32, kvcache_block_size=4, num_kvcache_blocks=8, max_num_seqs=3) as llm:
+        engine = llm.llm_engine
+        preemptions = record_preemptions(engine)
+        prompts = {rid: OTHER_PROMPTS[1][i:i + 6] for i, rid in enumerate("ABC")}
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, greedy(10), arrival_time=1.0)
+        by_id = outputs_by_id(run_steps(engine))
+    assert preemptions and preemptions[0]["victim"] == "C"
+    for p in preemptions:
+        assert p["victim"] == list(p["running_keys"])[-1]
+        assert p["waiting"][0] == p["victim"]
+    for rid, prompt in prompts.items():
+        assert by_id[rid][-1].outputs[0].token_ids == hf_greedy(hf_model, prompt, 10)
+
+
+def test_priority_preemption_picks_the_least_important_running_request(folder, hf_model):
     # 4-token blocks, 8 of them: three requests of 6 prompt tokens grow to 16 tokens (4 blocks) each.
-    with LLM(folder, max_model_len=32, kvcache_block_size=4, num_kvcache_blocks=8, scheduling_policy=policy,
+    with LLM(folder, max_model_len=32, kvcache_block_size=4, num_kvcache_blocks=8, scheduling_policy="priority",
              max_num_seqs=3) as llm:
         engine = llm.llm_engine
         preemptions = record_preemptions(engine)
         schedules = record_schedules(engine)
         prompts = {rid: OTHER_PROMPTS[1][i:i + 6] for i, rid in enumerate("ABCD")}
-        # A, B, C run; D comes later and waits. A is the least important running request: the latest arrival
-        # under FCFS, the largest priority otherwise. Preempted, A resumes before D under FCFS, after it otherwise.
+        # A, B, C run; D comes later and waits. A is the least important running request (the largest priority
+        # value). Preempted, A resumes after the more important D.
         rank = {"A": (3.0, 2), "B": (1.0, 0), "C": (2.0, 1), "D": (4.0, 1)}
         steps = []
         for rid, (arrival, priority) in rank.items():
             if rid == "D":
                 steps.append(engine.step())
-            engine.add_request(rid, prompts[rid], greedy(10), arrival_time=arrival,
-                               priority=priority if policy == "priority" else 0)
+            engine.add_request(rid, prompts[rid], greedy(10), arrival_time=arrival, priority=priority)
         by_id = outputs_by_id(steps + run_steps(engine))
 
     assert preemptions and preemptions[0]["victim"] == "A"
-    assert preemptions[0]["waiting"] == (["A", "D"] if policy == "fcfs" else ["D", "A"])
+    assert preemptions[0]["waiting"] == ["D", "A"]
     for p in preemptions:
         assert p["running_keys"][p["victim"]] == max(p["running_keys"].values())
-        if policy == "fcfs":
-            assert p["waiting"][0] == p["victim"]  # a preempted request resumes first
-        else:
-            assert p["waiting_keys"] == sorted(p["waiting_keys"])
+        assert p["waiting_keys"] == sorted(p["waiting_keys"])
     # A was scheduled before C ran out of blocks: it left that step's batch, and gave its tokens back.
     step_with_victim = next(ids for ids, _ in schedules if "A" not in ids and "C" in ids)
     assert set(step_with_victim) == {"B", "C"}

@@ -3,6 +3,7 @@
 import time
 import warnings
 from collections import deque
+from dataclasses import replace
 
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -10,7 +11,7 @@ from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.model_runner import StepResult
-from nanoengine.engine.request import Request
+from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager
 from nanoengine.engine.tp_worker import start_model_runner
@@ -35,9 +36,15 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
         self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
+        self.parents: dict[str, ParentRequest] = {}  # n > 1: the request the user sees, by its id
+        self.held_outputs: list[RequestOutput] = []  # outputs an LLM.generate call stepped past: the next step's
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
         self.trace = StepTrace(self.scheduler) if config.trace else None
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> "LLMEngine":
+        return cls(engine_args.create_engine_config())
 
     def fit_max_model_len_to_kv_cache(self) -> None:
         """A request longer than the whole KV cache could never be scheduled, and would wait forever."""
@@ -59,15 +66,18 @@ class LLMEngine:
     # Requests in ----------------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
+                     priority: int = 0, arrival_time: float | None = None) -> Request | ParentRequest:
         """Validate everything about a request and build it, without queuing it."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        arrival_time = time.time() if arrival_time is None else arrival_time  # wall clock, as vLLM users pass
+        if params.n > 1:
+            return self.make_parent_request(request_id, prompt, params, priority, arrival_time)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -78,7 +88,6 @@ class LLMEngine:
         self.check_prompt_tokens(token_ids)
         room = self.config.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, text, token_ids, params, arrival_time, priority, cache_salt, max_tokens)
         request.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         if params.structured_outputs is not None:
@@ -91,6 +100,15 @@ class LLMEngine:
             self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
                                                               self.eos_token_ids)
         return self.structured_outputs
+
+    def make_parent_request(self, request_id: str, prompt, params: SamplingParams, priority: int,
+                            arrival_time: float) -> ParentRequest:
+        """n > 1 fans out, as in vLLM, into n requests "i_<id>" that share the prompt's blocks through the prefix
+        cache; child i is seeded with seed + i, so it samples what a separate request with that seed would."""
+        children = [self.make_request(f"{i}_{request_id}", prompt, replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i), priority, arrival_time)
+            for i in range(params.n)]
+        return ParentRequest(request_id, params, children)
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int], str | None]:
         """A prompt is a str, a list of token ids, or a dict with ``prompt`` or ``prompt_token_ids``."""
@@ -144,16 +162,22 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         self.enqueue(self.make_request(request_id, prompt, params, priority, arrival_time))
 
-    def enqueue(self, request: Request) -> None:
+    def enqueue(self, request: Request | ParentRequest) -> None:
+        if isinstance(request, ParentRequest):
+            self.parents[request.request_id] = request
+            for child in request.children:
+                self.enqueue(child)
+            return
         self.requests[request.request_id] = request
-        if request.params.stop_strings or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests at once and free their blocks; unknown or finished ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
+            if rid in self.parents:
+                self.abort_request([child.request_id for child in self.parents.pop(rid).children])
             request = self.requests.get(rid)
             if request is not None:
                 self.scheduler.finish(request, "abort")
@@ -166,21 +190,26 @@ class LLMEngine:
         self.model_runner.finish_request(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.held_outputs) or self.scheduler.has_unfinished_requests()
+
+    def hold_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Keep outputs of requests that someone else added; step() returns them first."""
+        self.held_outputs.extend(outputs)
 
     # One step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        held, self.held_outputs = self.held_outputs, []
         scheduled = self.scheduler.schedule()
         if not scheduled.requests:
-            return []
+            return held
         if self.trace is not None:
             self.trace.log(scheduled)
         result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
         self.record_prompt_logprobs(result)
-        outputs = self.apply_samples(result)
+        outputs = held + self.apply_samples(result)
         usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
         self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
         return outputs
@@ -201,7 +230,7 @@ class LLMEngine:
             request.num_computed_tokens += num_new
 
     def apply_samples(self, result: StepResult) -> list[RequestOutput]:
-        now = time.monotonic()
+        now = time.time()
         outputs = []
         for i, (request, token_id) in enumerate(zip(result.requests, result.token_ids)):
             request.append_output_token(token_id)
@@ -214,6 +243,8 @@ class LLMEngine:
             else:
                 self.check_stop(request, token_id)
             output = self.make_output(request)
+            if output is not None and request.parent is not None:
+                output = self.gather_child_output(request, output)
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
@@ -257,8 +288,9 @@ class LLMEngine:
             if params.stop_strings and past_min_tokens and self.cut_at_stop_string(request, detokenizer,
                                                                                    len(new_text)):
                 return
-        if stop_token:
-            return self.scheduler.finish(request, "stop", token_id)
+        if stop_token:  # vLLM's stop_reason: None for the tokenizer's EOS, else the stop token id
+            primary_eos = token_id == self.tokenizer.eos_token_id and not params.ignore_eos
+            return self.scheduler.finish(request, "stop", None if primary_eos else token_id)
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             self.scheduler.finish(request, "length")
 
@@ -291,7 +323,7 @@ class LLMEngine:
             if prompt_logprobs is not None and sent_tokens:  # vLLM: all of them in the first delta only
                 prompt_logprobs = []
         completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids),
+            index=request.index, text=text, token_ids=list(token_ids),
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
             logprobs=None if logprobs is None else list(logprobs),
             finish_reason=request.finish_reason, stop_reason=request.stop_reason)
@@ -301,17 +333,26 @@ class LLMEngine:
 
     def output_text(self, request: Request) -> str:
         params = request.params
-        detokenizer = self.detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            if request.is_finished or not params.stop_strings or params.include_stop_str_in_output:
-                return detokenizer.text
-            # Hold back what may yet turn out to start a stop string, so that no output is ever taken back.
-            held_back = max(len(s) for s in params.stop_strings) - 1
-            return detokenizer.text[:max(0, len(detokenizer.text) - held_back)]
-        token_ids = request.output_token_ids
-        if isinstance(request.stop_reason, int) and not params.include_stop_str_in_output:
-            token_ids = token_ids[:-1]
-        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        detokenizer = self.detokenizers[request.request_id]
+        if request.is_finished or not params.stop_strings or params.include_stop_str_in_output:
+            return detokenizer.text
+        # Hold back what may yet turn out to start a stop string, so that no output is ever taken back.
+        held_back = max(len(s) for s in params.stop_strings) - 1
+        return detokenizer.text[:max(0, len(detokenizer.text) - held_back)]
+
+    def gather_child_output(self, child: Request, output: RequestOutput) -> RequestOutput | None:
+        """A child's output as its parent's, as vLLM gives it: streamed, each child's completion as it comes;
+        FINAL_ONLY, all n completions at once. The parent is finished when its last child is."""
+        parent = child.parent
+        parent.completions[child.index] = output.outputs[0]
+        finished = all(c.is_finished for c in parent.children)
+        final_only = parent.params.output_kind == RequestOutputKind.FINAL_ONLY
+        if final_only and not finished:
+            return None
+        if finished:
+            del self.parents[parent.request_id]
+        completions = list(parent.completions) if final_only else output.outputs
+        return replace(output, request_id=parent.request_id, outputs=completions, finished=finished)
 
     # Introspection -------------------------------------------------------------------------------
 
@@ -329,5 +370,5 @@ class LLMEngine:
 
     def close(self) -> None:
         """Drop every request and release the model and its KV cache."""
-        self.abort_request(list(self.requests))
+        self.abort_request(list(self.parents) + list(self.requests))
         self.model_runner.close()

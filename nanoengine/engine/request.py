@@ -4,7 +4,7 @@ import enum
 
 import torch
 
-from nanoengine.outputs import Logprob, RequestMetrics
+from nanoengine.outputs import CompletionOutput, Logprob, RequestMetrics
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -51,6 +51,8 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.parent: ParentRequest | None = None  # set when this request is one of n samples of a prompt
+        self.index = 0  # which of the parent's n samples this is
 
     def seeded_generator(self) -> torch.Generator | None:
         if self.params.seed is None:
@@ -76,3 +78,15 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+class ParentRequest:
+    """A request with n > 1: n child requests sample its prompt; their outputs are gathered under its id."""
+
+    def __init__(self, request_id: str, params: SamplingParams, children: list[Request]):
+        self.request_id = request_id
+        self.params = params
+        self.children = children
+        self.completions: list[CompletionOutput | None] = [None] * len(children)  # each child's latest
+        for index, child in enumerate(children):
+            child.parent, child.index = self, index

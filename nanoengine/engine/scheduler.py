@@ -82,7 +82,7 @@ class Scheduler:
         budget, preempted = self.schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:
             self.schedule_waiting(out, budget)
-        now = time.monotonic()
+        now = time.time()
         for request in out.requests:
             request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
         return out
@@ -97,7 +97,7 @@ class Scheduler:
                 continue
             num_new = self.capped(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = max(self.running, key=self.order_key)
+                victim = self.preemption_victim()
                 if victim in out.requests:
                     budget += out.remove(victim)
                 self.preempt(victim)
@@ -109,6 +109,10 @@ class Scheduler:
                 out.add(request, num_new)
                 budget -= num_new
         return budget, preempted
+
+    def preemption_victim(self) -> Request:
+        """As vLLM: the least important (then latest) under priority; under FCFS the last request admitted."""
+        return max(self.running, key=self.order_key) if self.by_priority else self.running[-1]
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
