@@ -4,6 +4,7 @@
     python bench.py --preset cpu [--compare hf]
     python bench.py --preset prefix [--small]
     python bench.py --preset chunked [--small]
+    python bench.py --preset serve [--num-prompts N] [--request-rate R] [--max-concurrency C]
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
@@ -11,7 +12,7 @@ weights, which is enough for a throughput figure. ``cpu`` is the same kind of wo
 small CPU, on the default model (SmolLM2-135M-Instruct). ``--compare hf`` then runs transformers on
 the same model and the same prompts in the same process. Each throughput run also prints a roofline:
 the least time the hardware could need, from a matmul rate (and, on a GPU, a copy bandwidth)
-measured at start.
+measured at start. ``serve`` starts ``nanoengine serve`` and measures it as ``vllm bench serve`` does.
 """
 
 import argparse
@@ -536,7 +537,8 @@ def wait_until_healthy(process: subprocess.Popen, url: str, timeout_s: float = 6
 
 def serve_preset(args) -> dict:
     workload = Workload(args.num_prompts, (64, 512), (32, 128), 0.0, "float32", 2048)
-    with running_server(model_for(args), "--max-model-len", str(workload.max_model_len)) as (_, url):
+    # The server's log goes to stderr, so that stdout holds only the report.
+    with running_server(model_for(args), "--max-model-len", str(workload.max_model_len), log=sys.stderr) as (_, url):
         return asyncio.run(run_serve(url, workload, args.request_rate, args.max_concurrency))
 
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.sampling_params import StructuredOutputsParams
-from nanoengine.serve.cli import engine_options, parse_args
+from nanoengine.serve.cli import build_parser, engine_options
 from nanoengine.serve.protocol import CompletionRequest, ResponseFormat, structured_outputs_params
 
 KEY = "test-key"
@@ -245,6 +245,14 @@ def test_killing_the_engine_core_fails_requests_and_exits_nonzero_leaving_no_pro
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
 
 
+def test_the_engine_core_exits_when_the_front_process_dies(sharp_tiny_model):
+    with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (server, url):
+        family = descendants(server.pid)
+        server.kill()
+        server.wait()
+    wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_in_flight_requests_and_stops_every_process(sharp_tiny_model, sig):
     with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (server, url):
@@ -259,8 +267,9 @@ def test_a_signal_ends_in_flight_requests_and_stops_every_process(sharp_tiny_mod
 
 
 def test_every_llm_option_is_a_flag():
-    args = parse_args(["/some/model", "--port", "9000", "--max-num-seqs", "64", "--no-enable-prefix-caching",
-                       "--tensor-parallel-size", "2", "--cpu-kvcache-space-gib", "0.5"])
+    args = build_parser().parse_args(["/some/model", "--port", "9000", "--max-num-seqs", "64",
+                                      "--no-enable-prefix-caching", "--tensor-parallel-size", "2",
+                                      "--cpu-kvcache-space-gib", "0.5"])
     assert (args.model, args.port, args.host) == ("/some/model", 9000, "127.0.0.1")
     assert engine_options(args) == {"max_num_seqs": 64, "enable_prefix_caching": False, "tensor_parallel_size": 2,
                                     "cpu_kvcache_space_gib": 0.5}

@@ -40,7 +40,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, default=argparse.SUPPRESS, help=f"LLM option (default: {default})", **extra)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoengine serve", description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY"),
                         help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
     add_engine_flags(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -90,9 +90,13 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def serve(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
-    config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
+    try:
+        config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
+    except (ValueError, TypeError, OSError) as error:
+        parser.error(str(error))
     return asyncio.run(run_server(args, config))
 
 
