@@ -538,8 +538,9 @@ def wait_until_healthy(process: subprocess.Popen, url: str, timeout_s: float = 6
 def serve_preset(args) -> dict:
     workload = Workload(args.num_prompts, (64, 512), (32, 128), 0.0, "float32", 2048)
     # The server's log goes to stderr, so that stdout holds only the report.
-    with running_server(model_for(args), "--max-model-len", str(workload.max_model_len), log=sys.stderr) as (_, url):
-        return asyncio.run(run_serve(url, workload, args.request_rate, args.max_concurrency))
+    model = model_for(args)
+    with running_server(model, "--max-model-len", str(workload.max_model_len), log=sys.stderr) as (_, url):
+        return {"model": model} | asyncio.run(run_serve(url, workload, args.request_rate, args.max_concurrency))
 
 
 async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: int | None) -> dict:
@@ -565,7 +566,7 @@ async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: 
     seconds = time.perf_counter() - start
     ttfts, itls = [r[0] for r in results], [gap for r in results for gap in r[1]]
     tpots = [(r[2] - r[0]) / (r[3] - 1) for r in results if r[3] > 1]
-    report = {"preset": "serve", "model": url, "device": device_name("cuda" if on_gpu() else "cpu"),
+    report = {"preset": "serve", "device": device_name("cuda" if on_gpu() else "cpu"),
               "num_requests": len(prompts), "request_rate": rate, "max_concurrency": max_concurrency,
               "seconds": seconds, "request_throughput": len(prompts) / seconds,
               "output_token_throughput": sum(r[3] for r in results) / seconds}

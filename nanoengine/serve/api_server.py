@@ -14,6 +14,7 @@ import uuid
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from nanoengine.config import EngineConfig
@@ -94,9 +95,8 @@ class OpenAIServer:
             completion = output.outputs[0]
             text, token_ids = text + completion.text, token_ids + completion.token_ids
             logprobs += completion.logprobs or []
-        choice = {"index": 0, "finish_reason": output.outputs[0].finish_reason,
-                  "logprobs": self.format_logprobs(chat, token_ids, logprobs, request.params.logprobs)}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choice = make_choice(chat, False, text, output.outputs[0].finish_reason,
+                             format_logprobs(chat, token_ids, logprobs, request.params.logprobs))
         return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": usage(len(request.prompt_token_ids), len(token_ids))}
 
@@ -111,9 +111,8 @@ class OpenAIServer:
             async for output in self.outputs(request):
                 completion = output.outputs[0]
                 num_tokens += len(completion.token_ids)
-                choice = {"index": 0, "finish_reason": completion.finish_reason, "logprobs": self.format_logprobs(
-                    chat, completion.token_ids, completion.logprobs, request.params.logprobs)}
-                choice.update({"delta": {"content": completion.text}} if chat else {"text": completion.text})
+                logprobs = format_logprobs(chat, completion.token_ids, completion.logprobs, request.params.logprobs)
+                choice = make_choice(chat, True, completion.text, completion.finish_reason, logprobs)
                 yield sse_event({**base, "choices": [choice], **extra})
             if include_usage:
                 yield sse_event({**base, "choices": [], "usage": usage(len(request.prompt_token_ids), num_tokens)})
@@ -121,19 +120,30 @@ class OpenAIServer:
             yield sse_event(error.body())
         yield "data: [DONE]\n\n"
 
-    @staticmethod
-    def format_logprobs(chat: bool, token_ids: list[int], logprobs: list | None, num_top: int | None) -> dict | None:
-        """OpenAI's logprobs shapes, from the engine's per-token {token id: Logprob} (the sampled id included)."""
-        if logprobs is None or num_top is None:
-            return None
-        rows = [(entry[token_id], sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank))
-                for token_id, entry in zip(token_ids, logprobs)]
-        if chat:
-            def item(lp):
-                return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
-            return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
-        return {"tokens": [s.decoded_token for s, _ in rows], "token_logprobs": [s.logprob for s, _ in rows],
-                "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows]}
+
+def make_choice(chat: bool, streamed: bool, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    """The one choice of a whole reply, or of a chunk of a streamed one."""
+    if not chat:
+        content = {"text": text}
+    elif streamed:
+        content = {"delta": {"content": text}}
+    else:
+        content = {"message": {"role": "assistant", "content": text}}
+    return {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs, **content}
+
+
+def format_logprobs(chat: bool, token_ids: list[int], logprobs: list | None, num_top: int | None) -> dict | None:
+    """OpenAI's logprobs shapes, from the engine's per-token {token id: Logprob} (the sampled id included)."""
+    if logprobs is None or num_top is None:
+        return None
+    rows = [(entry[token_id], sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank))
+            for token_id, entry in zip(token_ids, logprobs)]
+    if chat:
+        def item(lp):
+            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+        return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
+    return {"tokens": [s.decoded_token for s, _ in rows], "token_logprobs": [s.logprob for s, _ in rows],
+            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -173,7 +183,7 @@ def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
         try:
             text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
                                                  add_generation_prompt=body.add_generation_prompt)
-        except ValueError as error:
+        except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
             raise APIError(400, str(error), "messages") from error
         # The template already holds any special tokens, so it is tokenized without adding more.
         prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "cache_salt": body.cache_salt}
