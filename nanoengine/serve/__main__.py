@@ -1,0 +1,5 @@
+import sys
+
+from nanoengine.serve.cli import serve
+
+sys.exit(serve())

@@ -1,0 +1,212 @@
+"""The HTTP front: FastAPI routes in OpenAI's shapes over an EngineCoreClient.
+
+Each request is tokenized (chat template included) and fully validated here, by the engine's own
+``make_request`` run against a tokenizer and the config without the model, so a bad request is a
+400 that never reaches the engine core. Accepted requests stream DELTA outputs back: the engine
+core detokenizes, because it already must to find stop strings.
+"""
+
+import json
+import secrets
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from transformers import AutoTokenizer
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
+from nanoengine.serve.engine_core import EngineCoreRequest
+from nanoengine.serve.metrics import Metrics
+from nanoengine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def engine_gone(why: str) -> APIError:
+    return APIError(503, why, kind="service_unavailable")
+
+
+class RequestValidator(LLMEngine):
+    """LLMEngine's request checks (``make_request``) with a tokenizer and the config but no model."""
+
+    def __init__(self, config: EngineConfig):
+        self.config, self.requests = config, {}
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.eos_token_ids = self.find_eos_token_ids()
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
+                 metrics: Metrics):
+        self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
+        self.shutting_down = False
+
+    def stop(self) -> None:
+        """Refuse new requests and end the running ones (the engine core aborts them)."""
+        self.shutting_down = True
+        self.client.fail_all(EngineUnavailableError("the server is shutting down"))
+
+    def engine_request(self, body: GenerationRequest, prompt, prefix: str) -> EngineCoreRequest:
+        if self.client.dead or self.shutting_down:
+            raise engine_gone(self.client.dead or "the server is shutting down")
+        if body.model is not None and body.model not in self.model_names:
+            raise APIError(400, f"model {body.model!r} is not served here (this server serves "
+                                f"{self.model_names[0]!r})", "model")
+        try:
+            request = self.validator.make_request(f"{prefix}-{uuid.uuid4().hex}", prompt, body.to_sampling_params(),
+                                                  body.priority)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error)) from error
+        return EngineCoreRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
+                                 request.arrival_time, request.cache_salt)
+
+    async def outputs(self, request: EngineCoreRequest):
+        """The request's outputs, recording metrics; engine failures become APIErrors."""
+        last_token_time = None
+        try:
+            async for output in self.client.generate(request):
+                self.metrics.record_output(output, last_token_time)
+                last_token_time = output.metrics.last_token_time
+                yield output
+        except EngineUnavailableError as error:
+            raise engine_gone(str(error)) from error
+        except ValueError as error:  # refused by the engine core
+            raise APIError(400, str(error)) from error
+
+    async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool):
+        base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self.sse(base, request, chat, include_usage), media_type="text/event-stream")
+        text, token_ids, logprobs, output = "", [], [], None
+        async for output in self.outputs(request):
+            completion = output.outputs[0]
+            text, token_ids = text + completion.text, token_ids + completion.token_ids
+            logprobs += completion.logprobs or []
+        choice = make_choice(chat, False, text, output.outputs[0].finish_reason,
+                             format_logprobs(chat, token_ids, logprobs, request.params.logprobs))
+        return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": usage(len(request.prompt_token_ids), len(token_ids))}
+
+    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool):
+        base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+        extra = {"usage": None} if include_usage else {}
+        num_tokens = 0
+        try:
+            if chat:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield sse_event({**base, "choices": [first], **extra})
+            async for output in self.outputs(request):
+                completion = output.outputs[0]
+                num_tokens += len(completion.token_ids)
+                logprobs = format_logprobs(chat, completion.token_ids, completion.logprobs, request.params.logprobs)
+                choice = make_choice(chat, True, completion.text, completion.finish_reason, logprobs)
+                yield sse_event({**base, "choices": [choice], **extra})
+            if include_usage:
+                yield sse_event({**base, "choices": [], "usage": usage(len(request.prompt_token_ids), num_tokens)})
+        except APIError as error:
+            yield sse_event(error.body())
+        yield "data: [DONE]\n\n"
+
+
+def make_choice(chat: bool, streamed: bool, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    """The one choice of a whole reply, or of a chunk of a streamed one."""
+    if not chat:
+        content = {"text": text}
+    elif streamed:
+        content = {"delta": {"content": text}}
+    else:
+        content = {"message": {"role": "assistant", "content": text}}
+    return {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs, **content}
+
+
+def format_logprobs(chat: bool, token_ids: list[int], logprobs: list | None, num_top: int | None) -> dict | None:
+    """OpenAI's logprobs shapes, from the engine's per-token {token id: Logprob} (the sampled id included)."""
+    if logprobs is None or num_top is None:
+        return None
+    rows = [(entry[token_id], sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank))
+            for token_id, entry in zip(token_ids, logprobs)]
+    if chat:
+        def item(lp):
+            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+        return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
+    return {"tokens": [s.decoded_token for s, _ in rows], "token_logprobs": [s.logprob for s, _ in rows],
+            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="nanoengine")
+
+    def check_api_key(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if api_key is not None and not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                           kind="authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_names[0], "object": "model", "owned_by": "nanoengine",
+                                            "created": 0, "max_model_len": server.validator.config.max_model_len}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest):
+        prompt = {"prompt_token_ids" if isinstance(body.prompt, list) else "prompt": body.prompt,
+                  "cache_salt": body.cache_salt}
+        return await server.respond(body, server.engine_request(body, prompt, "cmpl"), chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        tokenizer = server.validator.tokenizer
+        try:
+            text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
+                                                 add_generation_prompt=body.add_generation_prompt)
+        except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
+            raise APIError(400, str(error), "messages") from error
+        # The template already holds any special tokens, so it is tokenized without adding more.
+        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "cache_salt": body.cache_salt}
+        return await server.respond(body, server.engine_request(body, prompt, "chatcmpl"), chat=True)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if server.client.dead or server.shutting_down else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(APIError)
+    async def api_error(_, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_, error: RequestValidationError):
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body")
+        return JSONResponse(APIError(400, f"{param}: {first['msg']}", param).body(), status_code=400)
+
+    return app

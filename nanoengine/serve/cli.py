@@ -1,0 +1,108 @@
+"""``nanoengine serve [MODEL] [--port N] [every LLM option as a --flag]``: the OpenAI-compatible server.
+
+The front process (this one) validates the options, starts the engine-core process, and serves HTTP
+once the model is loaded. SIGINT or SIGTERM ends in-flight requests and stops the engine core; if
+the engine core dies, the server exits with code 1.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import types
+import typing
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import uvicorn
+
+from nanoengine.config import EngineConfig
+from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
+from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
+from nanoengine.serve.metrics import Metrics
+from nanoengine.utils.default_model import default_model_path
+
+ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field; an omitted flag keeps the field's default."""
+    for option in ENGINE_OPTIONS:
+        kind = option.type
+        if isinstance(kind, types.UnionType):
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        flag = "--" + option.name.replace("_", "-")
+        default = None if option.default is MISSING else option.default
+        extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        parser.add_argument(flag, default=argparse.SUPPRESS, help=f"LLM option (default: {default})", **extra)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoengine serve", description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", help="a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY"),
+                        help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
+    add_engine_flags(parser)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {option.name: getattr(args, option.name) for option in ENGINE_OPTIONS if hasattr(args, option.name)}
+
+
+class HTTPServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # run_server handles the signals for the server's whole life, startup included
+
+
+async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    loop = asyncio.get_running_loop()
+    on_signal = asyncio.current_task().cancel  # while the model loads; then a graceful stop
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: on_signal())
+    name = Path(config.model).name
+    metrics = Metrics(name)
+    client = EngineCoreClient(config, metrics.record_stats)
+    try:
+        validator = RequestValidator(config)
+        validator.config.max_model_len = (await client.start()).max_model_len
+        server = OpenAIServer(client, validator, [name, config.model], metrics)
+        http = HTTPServer(uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port,
+                                         timeout_graceful_shutdown=STOP_TIMEOUT_S))
+
+        def on_signal():
+            server.stop()
+            http.should_exit = True
+
+        client.on_death = on_signal
+        await http.serve()
+    except asyncio.CancelledError:
+        logger.info("interrupted while starting")
+    finally:
+        client.close()
+    return 1 if client.dead else 0
+
+
+def serve(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
+    try:
+        config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
+    except (ValueError, TypeError, OSError) as error:
+        parser.error(str(error))
+    return asyncio.run(run_server(args, config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: nanoengine serve [MODEL] [--port N] [options]  (see nanoengine serve --help)", file=sys.stderr)
+        return 2
+    return serve(argv[1:])

@@ -1,0 +1,66 @@
+"""Prometheus metrics for /metrics, under vLLM's names with a ``nanoengine:`` prefix.
+
+Gauges and engine-wide counters come from the engine core's stats snapshot after each step;
+per-request figures (tokens, TTFT, inter-token latency, end-to-end latency) from the outputs,
+using the engine core's timestamps.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from nanoengine.outputs import EngineStats, RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                   40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def metric(kind, name: str, doc: str, **kwargs):
+            return kind(f"nanoengine:{name}", doc, list(labels), registry=self.registry, **kwargs).labels(**labels)
+
+        self.running = metric(Gauge, "num_requests_running", "Requests in the running queue")
+        self.waiting = metric(Gauge, "num_requests_waiting", "Requests in the waiting queue")
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
+        self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = metric(Counter, "num_preemptions", "Preemptions")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that got a first token")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens")
+        self.request_success = Counter("nanoengine:request_success", "Finished requests", ["model_name",
+                                       "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token",
+                           buckets=LATENCY_BUCKETS)
+        self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between output tokens",
+                          buckets=LATENCY_BUCKETS)
+        self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
+        self.last_totals = (0, 0, 0)  # the engine's cumulative (queries, hits, preemptions) seen so far
+
+    def record_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
+                                     self.last_totals):
+            counter.inc(new - old)
+        self.last_totals = totals
+
+    def record_output(self, output: RequestOutput, previous_token_time: float | None) -> None:
+        """One DELTA output; ``previous_token_time`` is the last token time of the request's previous output."""
+        metrics, num_new = output.metrics, len(output.outputs[0].token_ids)
+        self.generation_tokens.inc(num_new)
+        if previous_token_time is None:
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.ttft.observe(metrics.time_to_first_token)
+        elif num_new:
+            self.itl.observe((metrics.last_token_time - previous_token_time) / num_new)
+        if output.finished:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+            self.request_success.labels(self.model_name, output.outputs[0].finish_reason).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
