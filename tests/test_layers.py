@@ -47,11 +47,11 @@ def test_every_linear_kernel_choice_matches_f_linear(kernel, rows, monkeypatch, 
 def test_measured_choice_is_cached_per_machine_and_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
     chosen = {"40x96 float32": [False, True, True], "8x40 float32": [False, False, False]}
-    monkeypatch.setattr(linear_module, "onednn_faster_at", lambda weight: chosen[linear_module.shape_key(weight)])
+    monkeypatch.setattr(linear_module, "onednn_faster_at", lambda weight, _: chosen[linear_module.shape_key(weight)])
     model = TwoLinears(torch.float32)
     choose_linear_kernels(model)
     assert model.first.packed_weight.used_at == (False, True, True) and model.second.packed_weight is None
-    monkeypatch.setattr(linear_module, "onednn_faster_at", lambda weight: pytest.fail("timed again"))
+    monkeypatch.setattr(linear_module, "onednn_faster_at", lambda weight, _: pytest.fail("timed again"))
     again = TwoLinears(torch.float32)
     choose_linear_kernels(again)
     assert again.first.packed_weight.used_at == (False, True, True)

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -69,20 +69,22 @@ def choose_linear_kernels(model: nn.Module, kernel: str = "auto") -> None:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     layers = [m for m in model.modules() if hasattr(m, "packed_weight") and can_pack_for_onednn(m.weight)]
+    for module in layers:
+        module.packed_weight = pack_for_onednn(module.weight)
     if kernel != "auto":
         choices = {shape_key(m.weight): (kernel == "onednn",) * len(ROW_BUCKETS) for m in layers}
     else:
-        choices = measured_choices({shape_key(m.weight): m.weight for m in layers})
+        choices = measured_choices({shape_key(m.weight): m for m in layers})
     for module in layers:
         used_at = choices[shape_key(module.weight)]
-        module.packed_weight = PackedWeight(pack_for_onednn(module.weight).tensor, used_at) if any(used_at) else None
+        module.packed_weight = replace(module.packed_weight, used_at=used_at) if any(used_at) else None
 
 
 def shape_key(weight: torch.Tensor) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
 
 
-def measured_choices(weights: dict[str, torch.Tensor]) -> dict[str, tuple[bool, ...]]:
+def measured_choices(layers: dict[str, nn.Module]) -> dict[str, tuple[bool, ...]]:
     """Per shape, whether oneDNN is the faster at each row bucket; shapes this machine has not timed yet are
     timed now (a few hundred ms for a small model) and added to the cache file."""
     path = cache_dir() / "linear-kernels.json"
@@ -90,23 +92,22 @@ def measured_choices(weights: dict[str, torch.Tensor]) -> dict[str, tuple[bool, 
     machine = f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
     known = cache.setdefault(machine, {})
     start = time.perf_counter()
-    missing = {key: weight for key, weight in weights.items() if key not in known}
-    known.update({key: onednn_faster_at(weight) for key, weight in missing.items()})
+    missing = {key: layer for key, layer in layers.items() if key not in known}
+    known.update({key: onednn_faster_at(layer.weight, layer.packed_weight) for key, layer in missing.items()})
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_suffix(f".tmp-{os.getpid()}")
         temp.write_text(json.dumps(cache, indent=1))
         temp.replace(path)
     names = ", ".join(f"{key}: " + "/".join("onednn" if faster else "torch" for faster in known[key])
-                      for key in weights)
+                      for key in layers)
     how = f"measured in {time.perf_counter() - start:.2f} s" if missing else f"from {path}"
     logger.info("linear kernels at rows %s (%s): %s", "/".join(f"<={r}" for r in ROW_BUCKETS[:-1]) + "/more",
                 how, names)
-    return {key: tuple(known[key]) for key in weights}
+    return {key: tuple(known[key]) for key in layers}
 
 
-def onednn_faster_at(weight: torch.Tensor) -> list[bool]:
-    packed = pack_for_onednn(weight)
+def onednn_faster_at(weight: torch.Tensor, packed: PackedWeight) -> list[bool]:
     inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in ROW_BUCKETS]
     return [best_time(linear, x, weight, packed_weight=packed) < best_time(F.linear, x, weight) for x in inputs]
 
