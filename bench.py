@@ -1,7 +1,7 @@
 """Benchmarks for nanoengine: offline throughput, prefix-cache TTFT and chunked-prefill latency.
 
     python bench.py --preset gpu [--model DIR] [--compare hf] [--json]
-    python bench.py --preset cpu [--compare hf]
+    python bench.py --preset cpu [--compare hf,vllm] [--dtype bfloat16]
     python bench.py --preset prefix [--small]
     python bench.py --preset chunked [--small]
     python bench.py --preset structured
@@ -11,9 +11,13 @@
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
 weights, which is enough for a throughput figure. ``cpu`` is the same kind of workload sized for a
 small CPU, on the default model (SmolLM2-135M-Instruct). ``--compare hf`` then runs transformers on
-the same model and the same prompts in the same process. Each throughput run also prints a roofline:
-the least time the hardware could need, from a matmul rate (and, on a GPU, a copy bandwidth)
-measured at start. ``serve`` starts ``nanoengine serve`` and measures it as ``vllm bench serve`` does.
+the same model and the same prompts in the same process; ``--compare vllm`` runs vLLM's ``LLM.generate``
+on them in vLLM's own interpreter (``make bench-vllm`` builds it), at float32 and at bfloat16. Each
+throughput run also prints the machine and a roofline: per step the larger of its FLOPs over a matmul
+rate and its bytes (all weights, every live token's K and V) over a read bandwidth, both measured at
+start, summed over the steps our engine ran. ``structured`` runs the cpu preset's requests unconstrained
+and with a JSON schema each. ``serve`` starts ``nanoengine serve`` and measures it as ``vllm bench serve``
+does.
 """
 
 import argparse
@@ -36,8 +40,10 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoengine import LLM, SamplingParams, StructuredOutputsParams
+from nanoengine.engine.model_runner import StepInputs
 from nanoengine.layers.linear import can_pack_for_onednn, linear, pack_for_onednn
 from nanoengine.models.llama import head_dim_of
+from nanoengine.utils.cpu_info import cpu_flags, cpu_model
 from nanoengine.utils.default_model import cache_dir, default_model_path
 
 QWEN3_0_6B_SHAPE = dict(
@@ -148,7 +154,7 @@ def sync() -> None:
 
 
 def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
-    """The faster of torch's matmul and, on the CPU, the oneDNN kernel our linears use (torch's goes
+    """The faster of torch's matmul and, on the CPU, the oneDNN kernel our linears can use (torch's goes
     through MKL, which can leave half of an AMD CPU's vector width unused)."""
     n = 8192 if device == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
@@ -159,21 +165,30 @@ def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
     return 2 * n**3 / seconds
 
 
-def copy_bytes_per_s(device: str) -> float:
-    """Device-to-device copy bandwidth, counting the bytes read and the bytes written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / time_best(lambda: dst.copy_(src), reps=10)
+def read_bytes_per_s(device: str) -> float:
+    """Memory read bandwidth: a sum over a tensor far larger than any cache reads each byte once."""
+    data = torch.ones((1 << 30 if device == "cuda" else 1 << 28) // 4, device=device)
+    return data.numel() * 4 / time_best(data.sum, reps=10)
 
 
 @dataclass
 class Hardware:
     matmul_flops: float
-    copy_bytes: float | None  # only measured on a GPU
+    read_bytes: float
 
     @classmethod
     def measure(cls, device: str, dtype: torch.dtype) -> "Hardware":
-        return cls(matmul_flops_per_s(device, dtype), copy_bytes_per_s(device) if device == "cuda" else None)
+        return cls(matmul_flops_per_s(device, dtype), read_bytes_per_s(device))
+
+
+def machine(device: str, hw: Hardware) -> dict:
+    """What a reader needs to place the figures: the processor, the ISA that picks its kernels, its rates."""
+    rates = {"matmul_tflops": hw.matmul_flops / 1e12, "read_gb_per_s": hw.read_bytes / 1e9}
+    if device == "cuda":
+        return {"name": torch.cuda.get_device_name(), **rates}
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in cpu_flags()]
+    return {"name": cpu_model(), "isa": " ".join(flags) or "none of avx2/avx512/amx", "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), **rates}
 
 
 # Roofline -----------------------------------------------------------------------------------------
@@ -208,44 +223,42 @@ class ModelShape:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
-    def request_flops(self, prompt_len: int, output_len: int) -> int:
-        """Every token but the last output is fed once; each sampled token needs the LM head once;
-        a token at position p attends to p + 1 keys (QK^T and PV: 4 FLOPs per key and head dim)."""
-        fed = prompt_len + output_len - 1
-        linear = 2 * self.num_layers * self.layer_params * fed + 2 * self.vocab * self.hidden * output_len
-        attention = 4 * self.num_layers * self.num_heads * self.head_dim * fed * (fed + 1) // 2
-        return linear + attention
+    def step_flops(self, step: "Step") -> int:
+        """Every new token goes through every layer; each sampling request needs the LM head once; a token
+        at position p attends to p + 1 keys (QK^T and PV: 4 FLOPs per key and head dim)."""
+        tokens = sum(new for new, _, _ in step)
+        linear = 2 * self.num_layers * self.layer_params * tokens + 2 * self.vocab * self.hidden * sum(
+            samples for _, _, samples in step)
+        # New tokens at positions context - new .. context - 1 see context - new + 1 .. context keys.
+        keys = sum(new * context - new * (new - 1) // 2 for new, context, _ in step)
+        return linear + 4 * self.num_layers * self.num_heads * self.head_dim * keys
 
-    def decode_bytes(self, prompt_lens: list[int], output_lens: list[int], itemsize: int) -> int:
-        """The least a run's decode steps must read: all weights once per step (there are at least as many
-        steps as the longest output) plus, for every decoded token, the KV of its whole context."""
-        weights = self.matmul_params * itemsize * max(output_lens)
-        # Output token k >= 1 is fed at position P + k - 1 and reads P + k keys.
-        kv_tokens = sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens))
-        return weights + kv_tokens * self.kv_bytes_per_token * itemsize
+    def step_bytes(self, step: "Step", itemsize: int) -> int:
+        """The least a step must read: every weight once, and the K and V of every live token once."""
+        live_tokens = sum(context for _, context, _ in step)
+        return (self.matmul_params + live_tokens * self.kv_bytes_per_token) * itemsize
+
+
+# One forward pass as the roofline sees it: per scheduled request (new tokens, context length after the
+# step, whether it samples).
+Step = list[tuple[int, int, bool]]
 
 
 @dataclass
 class Roofline:
-    compute_s: float
-    memory_s: float | None
-
-    @property
-    def floor_s(self) -> float:
-        return max(self.compute_s, self.memory_s or 0.0)
+    compute_s: float  # the steps' FLOPs over the matmul rate
+    memory_s: float  # the steps' bytes over the read bandwidth
+    floor_s: float  # per step the larger of the two, summed over the steps
 
     @property
     def bound(self) -> str:
-        return "memory" if self.memory_s and self.memory_s > self.compute_s else "compute"
+        return "memory" if self.memory_s > self.compute_s else "compute"
 
 
-def roofline(shape: ModelShape, prompt_lens: list[int], output_lens: list[int], itemsize: int,
-             hw: Hardware) -> Roofline:
-    flops = sum(shape.request_flops(p, o) for p, o in zip(prompt_lens, output_lens))
-    memory_s = None
-    if hw.copy_bytes:
-        memory_s = shape.decode_bytes(prompt_lens, output_lens, itemsize) / hw.copy_bytes
-    return Roofline(flops / hw.matmul_flops, memory_s)
+def roofline(shape: ModelShape, steps: list[Step], itemsize: int, hw: Hardware) -> Roofline:
+    compute = [shape.step_flops(step) / hw.matmul_flops for step in steps]
+    memory = [shape.step_bytes(step, itemsize) / hw.read_bytes for step in steps]
+    return Roofline(sum(compute), sum(memory), sum(map(max, compute, memory)))
 
 
 # Throughput runs ------------------------------------------------------------------------------------
@@ -268,12 +281,28 @@ class Throughput:
         return self
 
 
-def run_ours(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Throughput:
+def run_ours(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Throughput, list[Step]]:
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    steps = record_steps(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return Throughput("nanoengine", sum(len(o.outputs[0].token_ids) for o in outputs), seconds)
+    return Throughput("nanoengine", sum(len(o.outputs[0].token_ids) for o in outputs), seconds), steps
+
+
+def record_steps(llm: LLM) -> list[Step]:
+    """From now on, note the shape of each step the model runner executes (for the roofline)."""
+    runner = llm.llm_engine.model_runner
+    execute, steps = runner.execute, []
+
+    def recording_execute(scheduled):
+        inputs = StepInputs.of(scheduled)
+        steps.append([(len(ids), start + len(ids), samples)
+                      for ids, start, samples in zip(inputs.token_ids, inputs.starts, inputs.samples)])
+        return execute(scheduled)
+
+    runner.execute = recording_execute
+    return steps
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: str):
@@ -349,23 +378,28 @@ def wait_finished(manager):
 
 
 def throughput_preset(args) -> dict:
-    return run_throughput(args.preset, WORKLOADS[args.preset], model_for(args), args.compare == "hf",
-                          enforce_eager=args.enforce_eager)
+    workload = WORKLOADS[args.preset]
+    if args.dtype:
+        workload = replace(workload, dtype=args.dtype)
+    return run_throughput(args.preset, workload, model_for(args), args.compare, enforce_eager=args.enforce_eager)
 
 
-def run_throughput(preset: str, workload: Workload, model: str, with_hf: bool, **llm_options) -> dict:
+def run_throughput(preset: str, workload: Workload, model: str, peers: set[str], **llm_options) -> dict:
     device = "cuda" if on_gpu() else "cpu"
     dtype = getattr(torch, workload.dtype)
     hw = Hardware.measure(device, dtype)
     prompts, params = make_requests(workload)
     with LLM(model, dtype=workload.dtype, max_model_len=workload.max_model_len, **llm_options) as llm:
-        ours = run_ours(llm, prompts, params).announce()
+        ours, steps = run_ours(llm, prompts, params)
+        ours.announce()
         shape = ModelShape.of(llm.config.hf_config)
     max_tokens = [p.max_tokens for p in params]
-    floor = roofline(shape, [len(p) for p in prompts], max_tokens, dtype.itemsize, hw)
     results = [ours]
-    if with_hf:
+    if "hf" in peers:
         results += compare_hf(model, dtype, device, prompts, max_tokens, workload.temperature)
+    if "vllm" in peers:
+        results += compare_vllm(model, workload, prompts, max_tokens)
+    floor = roofline(shape, steps, dtype.itemsize, hw)
     return throughput_report(preset, model, device, workload, hw, floor, results)
 
 
@@ -379,18 +413,44 @@ def compare_hf(model_dir: str, dtype: torch.dtype, device: str, prompts, max_tok
     return peers
 
 
+# vLLM's own interpreter: vLLM pins its own dependency set, which must not touch ours (`make bench-vllm`).
+VLLM_PYTHON = Path(__file__).parent / ".venv-vllm" / "bin" / "python"
+VLLM_RUNNER = Path(__file__).parent / "scripts" / "bench_vllm_peer.py"
+
+
+def compare_vllm(model: str, workload: Workload, prompts, max_tokens) -> list[Throughput]:
+    """vLLM's CPU backend (or CUDA) on the same requests, at float32 and at bfloat16: both runs are kept,
+    and the ratio that counts is the one against the faster."""
+    if not VLLM_PYTHON.is_file():
+        raise FileNotFoundError(f"--compare vllm needs vLLM in {VLLM_PYTHON.parent.parent}: run `make bench-vllm`")
+    dtypes = [workload.dtype] if on_gpu() else ["float32", "bfloat16"]
+    return [run_vllm(model, dtype, workload, prompts, max_tokens).announce() for dtype in dtypes]
+
+
+def run_vllm(model: str, dtype: str, workload: Workload, prompts, max_tokens) -> Throughput:
+    work = dict(model=model, dtype=dtype, max_model_len=workload.max_model_len, prompts=prompts,
+                max_tokens=max_tokens, temperature=workload.temperature)
+    # Without a binding vLLM keeps one core for its scheduler process and gives the model one thread.
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="4",
+               OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
+    done = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER)], input=json.dumps(work), env=env, text=True,
+                          stdout=subprocess.PIPE, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return Throughput(f"vLLM {dtype}", result["output_tokens"], result["seconds"])
+
+
 def throughput_report(preset, model, device, workload, hw, floor: Roofline, results: list[Throughput]) -> dict:
     ours = results[0]
     peers = results[1:]
     best_peer = max(peers, key=lambda r: r.tokens_per_s, default=None)
     return {
         "preset": preset, "model": model, "device": device_name(device), "dtype": workload.dtype,
+        "machine": machine(device, hw),
         "runs": [{"name": r.name, "output_tokens": r.useful_tokens, "seconds": r.seconds,
                   "tokens_per_s": r.tokens_per_s, "ours_over_this": ours.tokens_per_s / r.tokens_per_s}
                  for r in results],
         "ours_over_best_peer": ours.tokens_per_s / best_peer.tokens_per_s if best_peer else None,
-        "matmul_tflops": hw.matmul_flops / 1e12,
-        "copy_gb_per_s": hw.copy_bytes / 1e9 if hw.copy_bytes else None,
         "roofline_compute_s": floor.compute_s, "roofline_memory_s": floor.memory_s,
         "roofline_floor_s": floor.floor_s, "roofline_bound": floor.bound,
         "ours_percent_of_roofline": 100 * floor.floor_s / ours.seconds,
@@ -400,7 +460,7 @@ def throughput_report(preset, model, device, workload, hw, floor: Roofline, resu
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{os.cpu_count()}-core CPU, {torch.get_num_threads()} torch threads"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
 
 
 # Prefix caching --------------------------------------------------------------------------------------
@@ -623,6 +683,8 @@ def prefix_cache_hits(metrics_text: str) -> int:
 
 def print_table(report: dict) -> None:
     print(f"\n{report['preset']} preset on {report['device']} ({report['model']})")
+    if "machine" in report:
+        print(f"machine: {machine_line(report['machine'])}; dtype {report['dtype']}")
     if "runs" in report:
         print(f"{'engine':<30}{'output tokens':>15}{'seconds':>10}{'tok/s':>12}{'ours / it':>12}")
         for run in report["runs"]:
@@ -637,11 +699,10 @@ def print_table(report: dict) -> None:
 
 
 def roofline_line(report: dict) -> str:
-    rates = f"matmul {report['matmul_tflops']:.2f} TFLOP/s"
-    if report["copy_gb_per_s"]:
-        rates += f", copy {report['copy_gb_per_s']:,.0f} GB/s"
-        rates += f"; compute {report['roofline_compute_s']:.2f} s, memory {report['roofline_memory_s']:.2f} s"
-    return (f"roofline ({rates}): floor {report['roofline_floor_s']:.2f} s ({report['roofline_bound']}-bound); "
+    machine = report["machine"]
+    rates = f"matmul {machine['matmul_tflops']:.2f} TFLOP/s, read {machine['read_gb_per_s']:,.1f} GB/s"
+    return (f"roofline ({rates}): per step the larger of compute and memory: floor {report['roofline_floor_s']:.2f} s "
+            f"(compute {report['roofline_compute_s']:.2f} s, memory {report['roofline_memory_s']:.2f} s in all); "
             f"ours {report['runs'][0]['seconds']:.2f} s = {report['ours_percent_of_roofline']:.0f}% of the roofline")
 
 
@@ -680,15 +741,31 @@ def run_structured(workload: Workload, model: str, **llm_options) -> dict:
             "compile_ms_per_schema": 1000 * compile_s}
 
 
+def machine_line(machine: dict) -> str:
+    if "isa" not in machine:
+        return machine["name"]
+    return (f"{machine['name']} ({machine['isa']}), {machine['cores']} cores, "
+            f"{machine['torch_threads']} torch threads")
+
+
 PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset,
            "structured": structured_preset, "serve": serve_preset}
+
+
+def peer_set(text: str) -> set[str]:
+    peers = set(text.split(","))
+    if not peers <= {"hf", "vllm"}:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {sorted(peers - {'hf', 'vllm'})}: choose hf, vllm")
+    return peers
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if on_gpu() else "cpu")
     parser.add_argument("--model", help="a Hugging Face model folder (default: per preset)")
-    parser.add_argument("--compare", choices=["hf"], help="also run transformers on the same requests")
+    parser.add_argument("--compare", type=peer_set, default=set(),
+                        help="hf, vllm or hf,vllm: also run transformers and/or vLLM on the same requests")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--num-prompts", type=int, default=32, help="serve: how many requests")

@@ -26,19 +26,20 @@ SHAPE = ModelShape(num_layers=2, hidden=8, num_heads=2, num_kv_heads=1, head_dim
 
 def test_flops_and_bytes_counted_by_hand():
     assert SHAPE.layer_params == 8 * 4 * 4 + 8 * 8 + 3 * 8 * 16
-    # 3 prompt + 2 output tokens: 4 fed, 2 sampled; position p attends to p + 1 keys (1 + 2 + 3 + 4 = 10).
-    assert SHAPE.request_flops(3, 2) == 2 * 2 * 576 * 4 + 2 * 32 * 8 * 2 + 4 * 2 * 2 * 4 * 10
-    # bf16: weights read on each of 2 steps; the one decoded token reads 4 keys of 2 layers' K and V.
-    weights = (2 * 576 + 32 * 8) * 2 * 2
-    assert SHAPE.decode_bytes([3], [2], itemsize=2) == weights + 4 * (2 * 2 * 1 * 4) * 2
+    # A 3-token prompt that samples (positions 0-2 see 1 + 2 + 3 keys) and one decode at position 4 (5 keys).
+    step = [(3, 3, True), (1, 5, True)]
+    assert SHAPE.step_flops(step) == 2 * 2 * 576 * 4 + 2 * 32 * 8 * 2 + 4 * 2 * 2 * 4 * (6 + 5)
+    # bf16: all weights once, and the K and V of 3 + 5 live tokens in 2 layers.
+    assert SHAPE.step_bytes(step, itemsize=2) == (2 * 576 + 32 * 8) * 2 + 8 * (2 * 2 * 1 * 4) * 2
 
 
-def test_roofline_takes_the_larger_bound():
-    flops = SHAPE.request_flops(3, 2)
-    compute_only = bench.roofline(SHAPE, [3], [2], 4, Hardware(matmul_flops=flops, copy_bytes=None))
-    assert compute_only.floor_s == pytest.approx(1.0) and compute_only.bound == "compute"
-    slow_memory = bench.roofline(SHAPE, [3], [2], 2, Hardware(matmul_flops=flops, copy_bytes=1.0))
-    assert slow_memory.bound == "memory" and slow_memory.floor_s == SHAPE.decode_bytes([3], [2], 2)
+def test_roofline_takes_the_larger_bound_per_step():
+    prefill, decode = [(3, 3, True)], [(1, 4, True)]
+    hw = Hardware(matmul_flops=SHAPE.step_flops(prefill), read_bytes=SHAPE.step_bytes(decode, 4))
+    floor = bench.roofline(SHAPE, [prefill, decode], 4, hw)
+    # The prefill step takes 1 s of compute; the decode step 1 s of memory; neither sum alone is the floor.
+    assert floor.floor_s == pytest.approx(2.0)
+    assert floor.compute_s < 2.0 and floor.memory_s < 2.0 and floor.compute_s > 1.0 and floor.memory_s > 1.0
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +51,14 @@ def tiny_qwen3(tmp_path_factory, smollm2_dir) -> str:
 
 def test_throughput_against_transformers_prints_a_table(tiny_qwen3, capsys):
     workload = Workload(4, (8, 24), (2, 6), 0.0, "float32", 128)
-    report = bench.run_throughput("cpu", workload, tiny_qwen3, with_hf=True)
+    report = bench.run_throughput("cpu", workload, tiny_qwen3, peers={"hf"})
     names = [run["name"] for run in report["runs"]]
     assert names[:2] == ["nanoengine", "transformers generate"]
     _, params = bench.make_requests(workload)
     assert report["runs"][0]["output_tokens"] == sum(p.max_tokens for p in params)
     assert all(run["output_tokens"] == report["runs"][0]["output_tokens"] for run in report["runs"])
-    assert report["ours_percent_of_roofline"] > 0 and report["roofline_bound"] == "compute"
+    assert 0 < report["ours_percent_of_roofline"] < 100
+    assert report["machine"]["read_gb_per_s"] > 0 and report["machine"]["cores"] >= 1
     bench.print_table(report)
     table = capsys.readouterr().out
     assert all(name in table for name in names) and "% of the roofline" in table
@@ -80,3 +82,16 @@ def test_structured_preset_constrains_every_request_without_ending_any_early(tin
     assert report["output_tokens_each"] == sum(p.max_tokens for p in params)
     assert report["compile_ms_per_schema"] > 0 and report["json_schema_tok_s"] > 0
     json.dumps(report)
+
+
+def test_compare_takes_a_list_of_known_peers():
+    assert bench.parse_args(["--compare", "hf,vllm"]).compare == {"hf", "vllm"}
+    assert bench.parse_args([]).compare == set()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compare", "hf,vllmm"])
+
+
+def test_vllm_peer_without_its_environment_says_how_to_make_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "VLLM_PYTHON", tmp_path / "missing" / "bin" / "python")
+    with pytest.raises(FileNotFoundError, match="make bench-vllm"):
+        bench.compare_vllm("model", bench.WORKLOADS["cpu"], [[1, 2]], [3])

@@ -20,7 +20,7 @@ from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.engine.structured_output import GrammarBitmask, apply_bitmask
 from nanoengine.layers.attention import Attention
-from nanoengine.layers.linear import pack_weights_for_onednn
+from nanoengine.layers.linear import choose_linear_kernels
 from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
 from nanoengine.utils.cpu_memory import keep_freed_memory
@@ -103,7 +103,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(model, self.config.model)
-        pack_weights_for_onednn(model)  # on the CPU only
+        choose_linear_kernels(model)  # on the CPU only
         return model.eval()
 
     def attention_layers(self) -> list[Attention]:
