@@ -2,13 +2,16 @@
 official openai client (and httpx where the raw HTTP matters)."""
 
 import asyncio
+import json
 import os
+import re
 import signal
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -289,3 +292,18 @@ def test_response_format_and_structured_outputs_map_onto_engine_params():
         as_params(ResponseFormat(type="json_object"), {"regex": "a"})
     request = CompletionRequest(prompt="hi", structured_outputs={"grammar": 'root ::= "a"'})
     assert request.to_sampling_params().structured_outputs == StructuredOutputsParams(grammar='root ::= "a"')
+
+
+def test_served_outputs_follow_response_format_and_structured_outputs(client):
+    answer = {"enum": ["yes", "no"]}
+    reply = client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "Yes or no?"}], temperature=0, max_tokens=16,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), answer)
+    schema = {"type": "object", "properties": {"answer": answer}, "required": ["answer"]}
+    reply = client.completions.create(model=None, prompt="Answer:", temperature=0, max_tokens=16, extra_body={
+        "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(reply.choices[0].text), schema)
+    choice = client.completions.create(model=None, prompt="Pick:", temperature=0, max_tokens=16,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", choice.choices[0].text) and choice.choices[0].finish_reason == "stop"

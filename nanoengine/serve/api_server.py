@@ -42,7 +42,7 @@ class RequestValidator(LLMEngine):
     """LLMEngine's request checks (``make_request``) with a tokenizer and the config but no model."""
 
     def __init__(self, config: EngineConfig):
-        self.config, self.requests = config, {}
+        self.config, self.requests, self.parents, self.structured_outputs = config, {}, {}, None
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_ids = self.find_eos_token_ids()
 

@@ -27,7 +27,7 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # with output_kind=DELTA
     priority: int
-    arrival_time: float  # time.monotonic() in the front; the clock is shared by the machine's processes
+    arrival_time: float  # wall clock (time.time()), stamped in the front
     cache_salt: str | None = None
 
 
