@@ -84,3 +84,9 @@ def test_rows_recorded_before_a_preemption_are_not_computed_again():
     request.prompt_logprobs += [{}] * 20  # positions 1..20 are recorded; recomputing from 0 starts at row 20
     assert prompt_rows(request, 0, 16) == (20, 0)
     assert prompt_rows(request, 16, 16) == (20, 12)
+
+
+def test_more_prompt_logprobs_than_the_vocabulary_raise_before_queueing(llm):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([PROMPT], SamplingParams(prompt_logprobs=10**6), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

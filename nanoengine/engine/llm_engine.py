@@ -146,8 +146,9 @@ class LLMEngine:
         """Ids the sampler indexes with must exist, or the step would fail for the whole batch."""
         vocab_size = self.config.hf_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name) is not None and getattr(params, name) > vocab_size:
-                raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {getattr(params, name)}")
+            num_top = getattr(params, name)
+            if num_top is not None and num_top > vocab_size:
+                raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {num_top}")
         self.check_in_vocab("stop_token_ids", params.stop_token_ids)
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:

@@ -69,7 +69,7 @@ def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
     mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # over top-k's survivors only
     drop = mass_up_to <= 1 - top_ps.unsqueeze(1)
-    drop[:, -1] = False
+    drop[:, -1] = False  # the most likely token always stays
     return logits.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
 
 
