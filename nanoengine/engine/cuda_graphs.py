@@ -118,7 +118,7 @@ class DecodeGraphs:
 def capture_decode_graphs(model: nn.Module, config: EngineConfig, device: torch.device) -> DecodeGraphs | None:
     """Graphs for a CUDA run of the Triton backend, unless ``enforce_eager``; None otherwise.
 
-    The torch backend loops over requests on the host, which a graph cannot replay.
+    The torch and cpu backends loop over requests on the host, which a graph cannot replay.
     """
     if device.type != "cuda" or config.enforce_eager or config.attention_backend != "triton":
         return None

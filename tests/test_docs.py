@@ -1,13 +1,17 @@
-"""docs/walkthrough.md cannot rot: its commands run, and they print every output line it shows, in order."""
+"""The docs cannot rot: the walkthrough's commands print every line it shows, and the README lists every option."""
 
 import os
 import re
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
+
+from nanoengine.config import EngineConfig
 
 ROOT = Path(__file__).parents[1]
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
+README = ROOT / "README.md"
 
 
 def commands_and_shown_output(text: str) -> list[tuple[str, list[str]]]:
@@ -40,3 +44,9 @@ def test_every_walkthrough_command_prints_what_the_walkthrough_shows(smollm2_dir
         printed = run.stdout.splitlines()
         missing = next((line for i, line in enumerate(shown) if not is_in_order(shown[:i + 1], printed)), None)
         assert missing is None, f"the walkthrough shows a line that {command!r} no longer prints:\n{missing}"
+
+
+def test_the_readme_options_table_lists_every_engine_option():
+    options = {f.name for f in fields(EngineConfig) if f.init} - {"model"}
+    listed = set(re.findall(r"^\| `(\w+)` \|", README.read_text(), re.M))
+    assert options <= listed, f"missing from the README's options table: {sorted(options - listed)}"
