@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # (its compiler uses them), so both calls are kept to this file.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
-ROW_BUCKETS = (1, 16, 64)  # a call with <= 1, <= 16 or more rows takes the kernel timed at these rows
+ROW_BUCKETS = (1, 8, 32)  # a call with <= 1, <= 8 or more rows takes the kernel timed at these rows
 KERNELS = ("auto", "onednn", "torch")
 
 
@@ -86,7 +86,8 @@ def shape_key(weight: torch.Tensor) -> str:
 
 def measured_choices(layers: dict[str, nn.Module]) -> dict[str, tuple[bool, ...]]:
     """Per shape, whether oneDNN is the faster at each row bucket; shapes this machine has not timed yet are
-    timed now (a few hundred ms for a small model) and added to the cache file."""
+    timed now (the log says how long it took) and added to the cache file. Delete the file to time again
+    (figures taken while other work loads the machine can pick the wrong kernel)."""
     path = cache_dir() / "linear-kernels.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
     machine = f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
