@@ -22,7 +22,7 @@ def folder(sharp_tiny_model):
 def test_trace_shows_chunks_decodes_cache_hits_and_preemptions(folder, caplog, one_torch_thread):
     caplog.set_level(logging.INFO, logger="nanoengine.trace")
     # 6 blocks of 16 tokens; a 40-token budget chunks the third prompt beside two decodes.
-    with LLM(folder, trace=True, num_kvcache_blocks=6, max_num_batched_tokens=40, max_model_len=128) as llm:
+    with LLM(folder, trace=True, num_kvcache_blocks=6, max_num_batched_tokens=40, max_model_len=96) as llm:
         llm.generate([SHARED + [1, 2], SHARED + [3], list(range(200, 240))], PARAMS, use_tqdm=False)
         num_preemptions = llm.stats().num_preemptions
     steps = trace_blocks(caplog)
@@ -44,7 +44,7 @@ def test_trace_shows_chunks_decodes_cache_hits_and_preemptions(folder, caplog, o
 
 def test_no_trace_by_default(folder, caplog):
     caplog.set_level(logging.INFO, logger="nanoengine.trace")
-    with LLM(folder, num_kvcache_blocks=8) as llm:
+    with LLM(folder, num_kvcache_blocks=8, max_model_len=128) as llm:
         llm.generate([[1, 2, 3]], PARAMS, use_tqdm=False)
         assert llm.llm_engine.trace is None
     assert trace_blocks(caplog) == []
@@ -57,7 +57,7 @@ def test_trace_must_be_a_bool(folder):
 
 def test_step_history_plots_as_a_png(folder, tmp_path):
     pytest.importorskip("matplotlib")
-    with LLM(folder, num_kvcache_blocks=8) as llm:
+    with LLM(folder, num_kvcache_blocks=8, max_model_len=128) as llm:
         llm.generate([[1, 2, 3], [4, 5]], PARAMS, use_tqdm=False)
         stats = llm.stats()
     path = tmp_path / "steps.png"
