@@ -12,10 +12,12 @@ from transformers import AutoModelForCausalLM
 from nanoengine import LLM, RequestOutputKind, SamplingParams
 from nanoengine import StructuredOutputsParams as Structured
 
-NAME = {"type": "string", "maxLength": 12}
+# Strings are bounded by a pattern: xgrammar 0.2.9 turns maxLength into a character class that admits raw
+# control characters, which strict JSON forbids (its issue #800).
+NAME = {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"}
 AGE = {"type": "integer", "minimum": 0, "maximum": 120}
 COLOR = {"enum": ["red", "green", "blue"]}
-TAGS = {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3}
+TAGS = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}, "minItems": 1, "maxItems": 3}
 POINT = {"type": "object", "properties": {"x": AGE, "y": AGE}, "required": ["x", "y"]}
 
 
@@ -44,7 +46,9 @@ SCHEMAS = [
 ]
 REGEXES = {"date": r"\d{4}-\d{2}-\d{2}", "phone": r"\(\d{3}\) \d{3}-\d{4}"}
 CHOICES = ["Paris", "London", "Rome", "Berlin"]
-ARITHMETIC = 'root ::= term (op term){0,3}\nop ::= " + " | " - " | " * "\nterm ::= [1-9] [0-9]? | "(" term op term ")"'
+ARITHMETIC = '''root ::= term (op term){0,3}
+op ::= " + " | " - " | " * "
+term ::= [1-9] [0-9]? | "(" [1-9] op [1-9] ")"'''
 NEIGHBOURS = ["The capital of France is", "Once upon a time"]
 
 
@@ -89,10 +93,11 @@ def params(constraint: Structured | None, seed: int | None = None) -> SamplingPa
     return SamplingParams(temperature=temperature, seed=seed, max_tokens=96, structured_outputs=constraint)
 
 
-def run_mixed_batch(llm: LLM) -> dict:
+def run_mixed_batch(llm: LLM, only_bounded: bool = False) -> dict:
     """Every structured case greedy, the bounded ones seeded too, beside unconstrained neighbours, in one batch."""
     cases = structured_cases()
     bounded = cases[:-2]
+    cases = bounded if only_bounded else cases
     prompts = [p for p, _, _ in cases + bounded] + NEIGHBOURS
     sampling = ([params(c) for _, c, _ in cases] + [params(c, seed=i) for i, (_, c, _) in enumerate(bounded)]
                 + [params(None), params(None, seed=7)])
@@ -135,9 +140,14 @@ def test_engine_paths_keep_outputs_valid(smollm2_dir, engine_path):
             assert llm.stats().num_preemptions > 0
 
 
-def test_two_ranks_give_the_same_structured_tokens_as_one(smollm2_dir, default_run):
-    with LLM(smollm2_dir, dtype="float32", tensor_parallel_size=2) as llm:
-        assert run_mixed_batch(llm) == default_run
+def test_two_ranks_give_the_same_structured_tokens_as_one(sharp_tiny_model):
+    """SmolLM2's 9 heads do not split in two, so a tiny Llama with its tokenizer stands in; a random model writes
+    whatever its grammar allows, so only the grammars that bound the output's length are used."""
+    runs = []
+    for size in (1, 2):
+        with LLM(sharp_tiny_model[0], dtype="float32", tensor_parallel_size=size) as llm:
+            runs.append(run_mixed_batch(llm, only_bounded=True))
+    assert runs[0] == runs[1]
 
 
 def test_streamed_deltas_join_into_the_final_json(llm):
