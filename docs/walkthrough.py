@@ -70,10 +70,10 @@ def show_packing_of_step(llm: LLM, step_number: int) -> None:
     runner, engine = llm.llm_engine.model_runner, llm.llm_engine
     execute = runner.execute
 
-    def execute_and_show(step):
+    def execute_and_show(step, *args):
         if engine.trace.num_steps == step_number:
             print_packing(runner, step)
-        return execute(step)
+        return execute(step, *args)
     runner.execute = execute_and_show
 
 

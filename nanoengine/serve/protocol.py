@@ -35,6 +35,8 @@ class GenerationRequest(BaseModel):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -42,6 +44,7 @@ class GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     top_k: int = -1
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -52,8 +55,12 @@ class GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError(f"only n=1 is served (one choice per request), got n={self.n}")
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
