@@ -417,6 +417,7 @@ def compare_hf(model_dir: str, dtype: torch.dtype, device: str, prompts, max_tok
 # vLLM's own interpreter: vLLM pins its own dependency set, which must not touch ours (`make bench-vllm`).
 VLLM_PYTHON = Path(__file__).parent / ".venv-vllm" / "bin" / "python"
 VLLM_RUNNER = Path(__file__).parent / "scripts" / "bench_vllm_peer.py"
+VLLM_RESULT_PREFIX = "bench_vllm_peer result: "  # the runner's result line; vLLM's own logs share its stdout
 
 
 def compare_vllm(model: str, workload: Workload, prompts, max_tokens) -> list[Throughput]:
@@ -437,7 +438,8 @@ def run_vllm(model: str, dtype: str, workload: Workload, prompts, max_tokens) ->
                OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
     done = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER)], input=json.dumps(work), env=env, text=True,
                           stdout=subprocess.PIPE, check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith(VLLM_RESULT_PREFIX))
+                        .removeprefix(VLLM_RESULT_PREFIX))
     return Throughput(f"vLLM {dtype}", result["output_tokens"], result["seconds"])
 
 

@@ -3,8 +3,9 @@
     .venv-vllm/bin/python scripts/bench_vllm_peer.py < workload.json
 
 The workload (JSON on stdin): model, dtype, max_model_len, prompts (token ids), max_tokens (one per
-prompt), temperature. The last line on stdout is the result as JSON: output_tokens and seconds, timed
-around one ``generate`` call after a warm-up, as bench.py times ours.
+prompt), temperature. The result is one line on stdout, ``RESULT_PREFIX`` and then JSON (output_tokens,
+seconds: one ``generate`` call timed after a warm-up, as bench.py times ours); vLLM logs to stdout as
+well, also after it. The same figures go to stderr for a person reading the log.
 """
 
 import json
@@ -12,6 +13,8 @@ import sys
 import time
 
 from vllm import LLM, SamplingParams, TokensPrompt
+
+RESULT_PREFIX = "bench_vllm_peer result: "  # bench.py looks for this line
 
 
 def main() -> None:
@@ -24,7 +27,9 @@ def main() -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    print(json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "seconds": seconds}))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(RESULT_PREFIX + json.dumps({"output_tokens": tokens, "seconds": seconds}), flush=True)
+    print(f"bench_vllm_peer: vLLM {work['dtype']}: {tokens} tokens in {seconds:.2f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

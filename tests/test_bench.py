@@ -95,3 +95,14 @@ def test_vllm_peer_without_its_environment_says_how_to_make_it(monkeypatch, tmp_
     monkeypatch.setattr(bench, "VLLM_PYTHON", tmp_path / "missing" / "bin" / "python")
     with pytest.raises(FileNotFoundError, match="make bench-vllm"):
         bench.compare_vllm("model", bench.WORKLOADS["cpu"], [[1, 2]], [3])
+
+
+def test_vllm_peer_result_is_found_among_vllms_own_log_lines(monkeypatch, tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\ncat > /dev/null\necho 'INFO loading'\n"
+                           f"echo '{bench.VLLM_RESULT_PREFIX}{{\"output_tokens\": 7, \"seconds\": 0.5}}'\n"
+                           "echo 'WARNING [shutdown] force killing'\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(bench, "VLLM_PYTHON", fake_python)
+    run = bench.run_vllm("model", "bfloat16", bench.WORKLOADS["cpu"], [[1, 2]], [7])
+    assert (run.name, run.useful_tokens, run.seconds) == ("vLLM bfloat16", 7, 0.5)
