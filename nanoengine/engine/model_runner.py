@@ -257,7 +257,8 @@ class ModelRunner:
                 *(self.to_device(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32))
                   for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")))
         if grammar_bitmask is not None:
-            processed = processed.clone() if processed is logits else processed  # logprobs stay the raw model's
+            if processed is logits and any(p.logprobs is not None for p in params):
+                processed = processed.clone()  # logprobs stay the raw model's
             apply_bitmask(processed, grammar_bitmask)
         tokens = sample(processed, tensors, self.generator)
         result = StepResult(requests, tokens.tolist())
