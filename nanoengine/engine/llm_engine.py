@@ -24,23 +24,27 @@ STEP_HISTORY = 10_000  # steps whose (running, waiting, kv usage) the stats keep
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        self.eos_token_ids = self.find_eos_token_ids()
+        self.init_request_checks(config)
         self.model_runner = start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.fit_max_model_len_to_kv_cache()
-        self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.sent_offsets: dict[str, tuple[int, int]] = {}  # DELTA outputs: (tokens, chars) already returned
-        self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
-        self.parents: dict[str, ParentRequest] = {}  # n > 1: the request the user sees, by its id
         self.held_outputs: list[RequestOutput] = []  # outputs an LLM.generate call stepped past: the next step's
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
         self.trace = StepTrace(self.scheduler) if config.trace else None
+
+    def init_request_checks(self, config: EngineConfig) -> None:
+        """All that ``make_request`` needs: the server's front process builds requests with this state alone."""
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.eos_token_ids = self.find_eos_token_ids()
+        self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}  # n > 1: the request the user sees, by its id
+        self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
 
     @classmethod
     def from_engine_args(cls, engine_args) -> "LLMEngine":
@@ -283,8 +287,8 @@ class LLMEngine:
         past_min_tokens = request.num_output_tokens > params.min_tokens
         grammar_ended = request.matcher is not None and request.matcher.is_terminated()
         stop_token = (token_id in request.stop_token_ids and past_min_tokens) or grammar_ended
-        detokenizer = self.detokenizers.get(request.request_id)
-        if detokenizer is not None and (not stop_token or params.include_stop_str_in_output):
+        detokenizer = self.detokenizers[request.request_id]
+        if not stop_token or params.include_stop_str_in_output:
             new_text = detokenizer.add(token_id)
             if params.stop_strings and past_min_tokens and self.cut_at_stop_string(request, detokenizer,
                                                                                    len(new_text)):

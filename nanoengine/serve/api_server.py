@@ -15,7 +15,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from transformers import AutoTokenizer
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
@@ -42,9 +41,7 @@ class RequestValidator(LLMEngine):
     """LLMEngine's request checks (``make_request``) with a tokenizer and the config but no model."""
 
     def __init__(self, config: EngineConfig):
-        self.config, self.requests, self.parents, self.structured_outputs = config, {}, {}, None
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        self.eos_token_ids = self.find_eos_token_ids()
+        self.init_request_checks(config)
 
 
 class OpenAIServer:
