@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from nanoengine import LLM
 from nanoengine.utils.default_model import default_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -72,6 +73,23 @@ def sharp_tiny_model(tmp_path_factory, smollm2_dir):
     the context (the default init repeats one token), so a wrong KV entry shows up in the output."""
     folder = tmp_path_factory.mktemp("tiny-sharp-llama")
     return str(folder), build_tiny_model("llama", folder, smollm2_dir, initializer_range=0.5)
+
+
+# The sharp tiny Llama as an engine, for the API tests (a module that defines its own ``llm`` uses that one).
+@pytest.fixture(scope="module")
+def folder(sharp_tiny_model):
+    return sharp_tiny_model[0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(sharp_tiny_model):
+    return sharp_tiny_model[1]
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    with LLM(folder, max_model_len=128, num_kvcache_blocks=64) as llm:
+        yield llm
 
 
 HF_GREEDY_CACHE: dict[tuple, list[int]] = {}

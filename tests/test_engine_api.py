@@ -21,22 +21,6 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def folder(sharp_tiny_model):
-    return sharp_tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def hf_model(sharp_tiny_model):
-    return sharp_tiny_model[1]
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    with LLM(folder, max_model_len=128, num_kvcache_blocks=64) as llm:
-        yield llm
-
-
 def run_steps(engine) -> list[list]:
     """Step until nothing is left; return each step's outputs."""
     steps = []

@@ -24,22 +24,6 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def folder(sharp_tiny_model):
-    return sharp_tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def hf_model(sharp_tiny_model):
-    return sharp_tiny_model[1]
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    with LLM(folder, max_model_len=128, num_kvcache_blocks=64) as llm:
-        yield llm
-
-
 def run_steps(engine) -> list:
     outputs = []
     while engine.has_unfinished_requests():
