@@ -62,6 +62,6 @@ def test_two_engines_in_one_process_share_no_attention_buffers(sharp_tiny_model)
             llm.close()
     first, second = backends
     assert isinstance(first, cpu_backend.CpuBackend) and first is not second
-    assert first.gather_buffers and second.gather_buffers
-    first_ptrs = {b.data_ptr() for b in first.gather_buffers.values()}
-    assert first_ptrs.isdisjoint(b.data_ptr() for b in second.gather_buffers.values())
+    assert first.buffers and second.buffers
+    first_ptrs = {b.data_ptr() for b in first.buffers.values()}
+    assert first_ptrs.isdisjoint(b.data_ptr() for b in second.buffers.values())
