@@ -8,7 +8,7 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.attention import cpu_backend, load_backend, torch_backend
 from nanoengine.layers.attention import Attention
 
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 CASES = {
     "mixed": [(37, 1), (32, 20), (0, 23), (47, 1), (0, 32), (0, 1)],
     # More decodes than one batch holds, of spread lengths (padding inside each batch), and one prompt.
@@ -26,18 +26,36 @@ def poison_unowned_slots(step) -> None:
         cache.flatten(0, 1)[~owned] = float("nan")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.fixture(scope="module")
+def decode_kernel():
+    kernel = cpu_backend.load_decode_kernel()
+    assert kernel is not None, "the C++ decode kernel did not build: see the warning logged above"
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])  # 64 and 128 are compiled for their size; 32 is the general case
+@pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cpu_backend_matches_the_oracle(case, group, dtype):
-    step = make_step(CASES[case], group, 64, dtype, "cpu", seed=group)
+def test_cpu_backend_matches_the_oracle(case, group, head_dim, dtype, decode_kernel):
+    check_against_oracle(CASES[case], group, head_dim, dtype, decode_kernel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_without_a_compiler_decodes_take_sdpa_and_match_the_oracle(case, dtype):
+    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel=None)
+
+
+def check_against_oracle(requests, group, head_dim, dtype, decode_kernel):
+    step = make_step(requests, group, head_dim, dtype, "cpu", seed=group + head_dim)
     poison_unowned_slots(step)
     scale = 64 ** -0.5
     expected_k, expected_v = step.k_cache.float(), step.v_cache.float()
     torch_backend.store_kv(step.k.float(), step.v.float(), expected_k, expected_v, step.meta.slot_mapping)
     expected = torch_backend.paged_attention(step.q.float(), expected_k, expected_v, step.meta, scale)
 
-    backend = cpu_backend.CpuBackend()
+    backend = cpu_backend.CpuBackend(decode_kernel)
     backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
     out = backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, scale)
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -48,13 +66,13 @@ def test_cpu_is_the_auto_backend_on_the_cpu_and_each_load_is_fresh():
     assert load_backend("cpu") is not load_backend("cpu")
 
 
-def test_two_engines_in_one_process_share_no_attention_buffers(sharp_tiny_model):
+def test_two_engines_in_one_process_share_no_attention_backend(sharp_tiny_model):
     folder, _ = sharp_tiny_model
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llms = [LLM(folder, num_kvcache_blocks=16, max_model_len=128) for _ in range(2)]
     try:
         for llm in llms:
-            llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)  # two decodes: one batched gather
+            llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)  # two decodes: one kernel call
         backends = [next(m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)).backend
                     for llm in llms]
     finally:
@@ -62,6 +80,22 @@ def test_two_engines_in_one_process_share_no_attention_buffers(sharp_tiny_model)
             llm.close()
     first, second = backends
     assert isinstance(first, cpu_backend.CpuBackend) and first is not second
-    assert first.buffers and second.buffers
-    first_ptrs = {b.data_ptr() for b in first.buffers.values()}
-    assert first_ptrs.isdisjoint(b.data_ptr() for b in second.buffers.values())
+    assert first.planned[1] is not None and second.planned[1] is not None
+    assert first.planned[1].rows.data_ptr() != second.planned[1].rows.data_ptr()
+
+
+def test_the_decode_kernel_writes_exactly_the_decode_rows(decode_kernel):
+    step = make_step(CASES["mixed"], 3, 64, torch.float32, "cpu", seed=7)
+    poison_unowned_slots(step)
+    torch_backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    backend = cpu_backend.CpuBackend(decode_kernel)
+    plan = backend.decode_plan(step.meta)
+    out = torch.full_like(step.q, float("nan")).contiguous()
+    decode_kernel.decode_attention(step.q.contiguous(), step.k_cache, step.v_cache, plan.block_tables,
+                                   plan.seq_lens, plan.rows, 0.125, out)
+    expected = torch_backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, 0.125)
+    written = torch.zeros(len(out), dtype=torch.bool)
+    written[plan.rows] = True
+    assert plan.rows.tolist() == [0, 44, 77]  # the three requests of "mixed" with one query row
+    torch.testing.assert_close(out[written], expected[written], atol=2e-5, rtol=2e-5)
+    assert out[~written].isnan().all()

@@ -1,8 +1,8 @@
 """Attention backends: each offers ``store_kv`` and ``paged_attention`` with one contract.
 
 ``torch`` states the math plainly and runs anywhere: it is the oracle the others are
-tested against. ``cpu`` is the same contract tuned for the CPU (batched decodes, reused
-buffers); ``triton`` runs it as GPU kernels (or on the CPU under ``TRITON_INTERPRET=1``).
+tested against. ``cpu`` is the same contract tuned for the CPU (a C++ decode kernel, SDPA's
+flash kernel for prompts); ``triton`` runs it as GPU kernels (or on the CPU under ``TRITON_INTERPRET=1``).
 """
 
 import importlib
@@ -23,6 +23,6 @@ def resolve_backend(name: str, device: str) -> str:
 
 
 def load_backend(name: str):
-    """The backend's module; the CPU backend keeps buffers, so each call gives a fresh object."""
+    """The backend's module; the CPU backend plans per step, so each call gives a fresh object."""
     module: ModuleType = importlib.import_module(f"nanoengine.attention.{name}_backend")
-    return module.CpuBackend() if name == "cpu" else module
+    return module.CpuBackend(module.load_decode_kernel()) if name == "cpu" else module

@@ -1,119 +1,98 @@
 """Paged attention tuned for the CPU: the contract of ``torch_backend``, faster.
 
-Four things make it faster than the plain oracle, each measured (docs/performance.md):
-
-- Decodes (one query row) are attended in padded batches of up to ``DECODE_BATCH`` requests of similar
-  context length, planned once per step (every layer gets the same metadata object).
-- A batch's K and V are gathered into buffers kept between calls: a fresh tensor this large
-  (megabytes, per layer and step) comes from the OS and pays a page fault for every 4 KiB of it.
+- Decodes (one query row per request) go to a small C++ kernel, ``cpu_decode.cpp``, that reads each K and
+  V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. It is compiled for this
+  machine on first use (about 30 s, then cached); without a C++ compiler the decodes take the path below,
+  correct but several times slower.
 - A request with several query rows goes to SDPA's flash kernel (causal when it is a whole prompt).
-- A bfloat16 or float16 cache is attended in float32: SDPA's CPU kernel runs one reduced-precision query row
-  about 7x slower than a float32 one, so the gathered K and V are widened into head-major float32 buffers
-  (still in the cache) first. Scores and sums are float32 either way.
 
-The plan and the buffers live in a ``CpuBackend`` object, one per model runner: two engines in one
-process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
+Each ``CpuBackend`` plans the decode batch once per step (every layer gets the same metadata object), so
+two engines in one process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
 """
 
-import math
+import hashlib
+import logging
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.attention.torch_backend import gather_context, store_kv
+from nanoengine.utils.cpu_info import cpu_flags, cpu_model
+from nanoengine.utils.default_model import cache_dir
 
-# Decodes per batched call: sorted by length, small batches pad little, and on the CPU a batch's
-# gathered K/V (megabytes) is still in the cache when attention reads it back: twice as fast as one batch.
-DECODE_BATCH = 8
+logger = logging.getLogger(__name__)
+
+KERNEL_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+# -march=native: the build is for this CPU only (its folder is named after it). -ffast-math lets the
+# compiler vectorize the dot products and exp; -fno-finite-math-only keeps the -inf the online softmax
+# starts from. -fopenmp: torch's parallel_for splits the requests over its threads.
+KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+
+
+def load_decode_kernel() -> ModuleType | None:
+    """``cpu_decode.cpp`` built for this machine, or None (logged) where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    machine = hashlib.sha1(f"{cpu_model()} {sorted(cpu_flags())} {torch.__version__}".encode()).hexdigest()[:12]
+    build = cache_dir() / "cpu-decode" / machine
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return load("nanoengine_cpu_decode", [str(KERNEL_SOURCE)], extra_cflags=KERNEL_FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build))
+    except (OSError, RuntimeError, ImportError) as error:
+        logger.warning("the CPU decode kernel could not be built (%s); decodes take the slower SDPA path", error)
+        return None
 
 
 @dataclass
-class DecodeBatch:
-    rows: torch.Tensor     # [batch]: the requests' query rows
-    slots: torch.Tensor    # [batch, max_seq_len] int64: the cache slot of each context position
-    mask: torch.Tensor     # [batch, 1, 1, max_seq_len] float32: 0 on context, -inf on padding (a float mask:
-                           # SDPA would convert a boolean one in every layer)
+class DecodePlan:
+    rows: torch.Tensor          # [num_decodes] int64: each decoding request's query row
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor      # [num_decodes] int32
 
 
 class CpuBackend:
-    def __init__(self):
-        self.planned: tuple[AttentionMetadata | None, list[DecodeBatch]] = (None, [])
-        self.buffers: dict[tuple, torch.Tensor] = {}
+    def __init__(self, decode_kernel: ModuleType | None):
+        self.decode_kernel = decode_kernel
+        self.planned: tuple[AttentionMetadata | None, DecodePlan | None] = (None, None)
 
     store_kv = staticmethod(store_kv)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of every query row ([num_tokens, num_heads, head_dim]) over its own context."""
+        q = q.contiguous()
         out = torch.empty_like(q)
-        for batch in self.decode_batches(meta, k_cache.shape[1]):
-            out[batch.rows] = self.decode_attention(q[batch.rows], k_cache, v_cache, batch, scale)
+        plan = self.decode_plan(meta)
+        if plan is not None:
+            self.decode_kernel.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows,
+                                                scale, out)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             query_len = starts[i + 1] - starts[i]
-            if query_len > 1:
+            if query_len > 1 or (query_len == 1 and plan is None):
                 rows = slice(starts[i], starts[i + 1])
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
                 out[rows] = flash_attend(q[rows], k, v, seq_len - query_len, scale)
         return out
 
-    def decode_batches(self, meta: AttentionMetadata, block_size: int) -> list[DecodeBatch]:
+    def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
+        """The requests with one query row, for the kernel; None where there are none or no kernel."""
         if self.planned[0] is not meta:
-            self.planned = (meta, plan_decode_batches(meta, block_size))
+            starts = meta.query_start_loc_cpu
+            decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+            plan = None
+            if decodes and self.decode_kernel is not None:
+                index = torch.tensor(decodes)
+                plan = DecodePlan(torch.tensor([starts[i] for i in decodes]),
+                                  meta.block_tables[index].contiguous(), meta.seq_lens[index].contiguous())
+            self.planned = (meta, plan)
         return self.planned[1]
-
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
-                         scale: float) -> torch.Tensor:
-        """One query row per request ([batch, num_heads, head_dim]), each over its own context."""
-        k = self.gather_slots(k_cache, batch.slots, "k").transpose(1, 2)  # [batch, kv_heads, max_seq_len, dim]
-        v = self.gather_slots(v_cache, batch.slots, "v").transpose(1, 2)
-        if k.dtype != torch.float32:
-            k, v = self.widened(k, "k"), self.widened(v, "v")
-        out = F.scaled_dot_product_attention(q.unsqueeze(2).float(), k, v, attn_mask=batch.mask,
-                                             scale=scale, enable_gqa=True)
-        return out.squeeze(2).to(q.dtype)
-
-    def gather_slots(self, cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
-        """The cache entries at ``slots`` ([batch, len] -> [batch, len, num_kv_heads, head_dim])."""
-        entry_shape = cache.shape[2:]
-        out = self.buffer(name, (slots.numel(), *entry_shape), cache.dtype, cache.device)
-        torch.index_select(cache.flatten(0, 1), 0, slots.flatten(), out=out)
-        return out.view(*slots.shape, *entry_shape)
-
-    def widened(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """A contiguous float32 copy of ``x``."""
-        return self.buffer(name, x.shape, torch.float32, x.device).copy_(x)
-
-    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """This backend's buffer for ``name`` and ``dtype``, kept between calls, viewed as ``shape``."""
-        numel, key = math.prod(shape), (name, dtype, device)
-        if key not in self.buffers or self.buffers[key].numel() < numel:
-            with torch.inference_mode(False):  # a normal tensor may be written in and out of inference mode
-                self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return self.buffers[key][:numel].view(shape)
-
-
-def plan_decode_batches(meta: AttentionMetadata, block_size: int) -> list[DecodeBatch]:
-    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    decodes = sorted((i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
-    return [decode_batch(meta, decodes[b:b + DECODE_BATCH], block_size)
-            for b in range(0, len(decodes), DECODE_BATCH)]
-
-
-def decode_batch(meta: AttentionMetadata, requests: list[int], block_size: int) -> DecodeBatch:
-    device = meta.seq_lens.device
-    positions = torch.arange(meta.seq_lens_cpu[requests[-1]], device=device)  # the longest is last
-    visible = positions < meta.seq_lens[requests, None]
-    # Padding re-reads the request's token 0: a slot never written may hold anything, even NaN,
-    # which would survive the mask.
-    positions = torch.where(visible, positions, 0)
-    blocks = meta.block_tables[requests].gather(1, positions // block_size).long()
-    rows = torch.tensor([meta.query_start_loc_cpu[i] for i in requests], device=device)
-    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-    return DecodeBatch(rows, blocks * block_size + positions % block_size, mask[:, None, None, :])
 
 
 def flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
