@@ -12,6 +12,8 @@ two engines in one process share nothing. Tested against the oracle in tests/tes
 
 import hashlib
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +39,9 @@ def load_decode_kernel() -> ModuleType | None:
     """``cpu_decode.cpp`` built for this machine, or None (logged) where it cannot be built."""
     from torch.utils.cpp_extension import load
 
+    if shutil.which("ninja") is None:  # pip's ninja lives beside this interpreter, which may not be on PATH
+        import ninja
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     machine = hashlib.sha1(f"{cpu_model()} {sorted(cpu_flags())} {torch.__version__}".encode()).hexdigest()[:12]
     build = cache_dir() / "cpu-decode" / machine
     build.mkdir(parents=True, exist_ok=True)
