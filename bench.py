@@ -10,7 +10,8 @@
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
 weights, which is enough for a throughput figure. ``cpu`` is the same kind of workload sized for a
-small CPU, on the default model (SmolLM2-135M-Instruct). ``--compare hf`` then runs transformers on
+small CPU, on the default model (SmolLM2-135M-Instruct), in bfloat16 where the CPU has native bfloat16
+(else float32; ``--dtype`` overrides). ``--compare hf`` then runs transformers on
 the same model and the same prompts in the same process; ``--compare vllm`` runs vLLM's ``LLM.generate``
 on them in vLLM's own interpreter (``make bench-vllm`` builds it), at float32 and at bfloat16. Each
 throughput run also prints the machine and a roofline: per step the larger of its FLOPs over a matmul
@@ -65,8 +66,14 @@ class Workload:
 
 WORKLOADS = {
     "gpu": Workload(256, (100, 1024), (100, 1024), 0.6, "bfloat16", 4096),
-    "cpu": Workload(32, (64, 512), (32, 256), 0.0, "float32", 2048),
+    "cpu": Workload(32, (64, 512), (32, 256), 0.0, "bfloat16", 2048),  # float32 where bfloat16 is not native
 }
+
+
+def cpu_workload() -> Workload:
+    """The cpu preset: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 or AMX), else float32."""
+    native_bf16 = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return WORKLOADS["cpu"] if native_bf16 else replace(WORKLOADS["cpu"], dtype="float32")
 
 
 def on_gpu() -> bool:
@@ -379,7 +386,7 @@ def wait_finished(manager):
 
 
 def throughput_preset(args) -> dict:
-    workload = WORKLOADS[args.preset]
+    workload = cpu_workload() if args.preset == "cpu" else WORKLOADS[args.preset]
     if args.dtype:
         workload = replace(workload, dtype=args.dtype)
     return run_throughput(args.preset, workload, model_for(args), args.compare, enforce_eager=args.enforce_eager)
@@ -713,7 +720,7 @@ def roofline_line(report: dict) -> str:
 
 
 def structured_preset(args) -> dict:
-    return run_structured(WORKLOADS["cpu"], model_for(args), enforce_eager=args.enforce_eager)
+    return run_structured(cpu_workload(), model_for(args), enforce_eager=args.enforce_eager)
 
 
 def run_structured(workload: Workload, model: str, **llm_options) -> dict:
