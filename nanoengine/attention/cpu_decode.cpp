@@ -54,9 +54,11 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int*
       m[g] = block_max;
       l[g] = l[g] * rescale + block_sum;
       float* acc_row = acc + g * head_dim;
-      for (int d = 0; d < head_dim; ++d) acc_row[d] *= rescale;
+      float a[HEAD_DIM > 0 ? HEAD_DIM : 256];
+      for (int d = 0; d < head_dim; ++d) a[d] = acc_row[d] * rescale;
       for (int t = 0; t < n; ++t)
-        for (int d = 0; d < head_dim; ++d) acc_row[d] += scores[t] * float(v[t * token_stride + d]);
+        for (int d = 0; d < head_dim; ++d) a[d] += scores[t] * float(v[t * token_stride + d]);
+      for (int d = 0; d < head_dim; ++d) acc_row[d] = a[d];
     }
   }
   for (int g = 0; g < group; ++g)
