@@ -11,7 +11,7 @@ from nanoengine import LLM, SamplingParams
 
 MAX_TOKENS = 24
 NEAR_TIE = 1e-3  # a top-2 logit gap this small in float32 can flip with summation order
-BF16_NEAR_TIE_ULPS = 4  # in bfloat16, a gap of a few units in the last place of the top logit
+BF16_NEAR_TIE_ULPS = 4  # in bfloat16: a few units in the last place of the best logit
 SYSTEM = ("You are a patient assistant for a small museum of natural history. You answer visitors' questions "
           "about fossils, minerals, birds and insects in plain words, in two or three sentences, and you always "
           "suggest one exhibit in the museum that is related to the question. The museum has a hall of dinosaurs, "
@@ -42,11 +42,9 @@ def chat_token_ids(tokenizer, conversation) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def top2(hf_model, token_ids: list[int]) -> tuple[list[float], list[int]]:
+def next_token_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        logits = hf_model(torch.tensor([token_ids])).logits[0, -1].float()
-    top = logits.topk(2)
-    return top.values.tolist(), top.indices.tolist()
+        return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
 def bf16_ulp(x: float) -> float:
@@ -55,16 +53,18 @@ def bf16_ulp(x: float) -> float:
 
 
 def assert_same_or_near_tie(hf_model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
-    """Equal tokens, or a first difference that is provably a floating-point near-tie in the model's dtype."""
+    """Equal tokens, or a first difference that is provably a floating-point near-tie in the model's dtype: at
+    that position transformers' logits for both tokens are within a near-tie of the best."""
     if ours == theirs:
         return
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     assert at is not None, f"one output is a prefix of the other: {ours} vs {theirs}"
-    (first, second), top_ids = top2(hf_model, prompt + theirs[:at])
-    bf16 = hf_model.dtype == torch.bfloat16
-    near_tie = BF16_NEAR_TIE_ULPS * bf16_ulp(first) if bf16 else NEAR_TIE
-    assert first - second <= near_tie and {ours[at], theirs[at]} == set(top_ids), (
-        f"tokens differ at {at} with a top-2 logit gap of {first - second:.2e} (near-tie: <= {near_tie:.2e})")
+    logits = next_token_logits(hf_model, prompt + theirs[:at])
+    best = float(logits.max())
+    gaps = [best - float(logits[token]) for token in (ours[at], theirs[at])]
+    near_tie = BF16_NEAR_TIE_ULPS * bf16_ulp(best) if hf_model.dtype == torch.bfloat16 else NEAR_TIE
+    assert max(gaps) <= near_tie, (f"tokens differ at {at}: their logits are {gaps[0]:.2e} and {gaps[1]:.2e} below "
+                                   f"the best (near-tie: <= {near_tie:.2e})")
 
 
 def test_chat_matches_transformers_and_reuses_the_shared_system_prompt(llm, hf_model, smollm2_dir):
