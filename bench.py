@@ -385,10 +385,13 @@ def wait_finished(manager):
             return result
 
 
+def preset_workload(preset: str, dtype: str | None) -> Workload:
+    workload = cpu_workload() if preset == "cpu" else WORKLOADS[preset]
+    return replace(workload, dtype=dtype) if dtype else workload
+
+
 def throughput_preset(args) -> dict:
-    workload = cpu_workload() if args.preset == "cpu" else WORKLOADS[args.preset]
-    if args.dtype:
-        workload = replace(workload, dtype=args.dtype)
+    workload = preset_workload(args.preset, args.dtype)
     return run_throughput(args.preset, workload, model_for(args), args.compare, enforce_eager=args.enforce_eager)
 
 
@@ -720,7 +723,7 @@ def roofline_line(report: dict) -> str:
 
 
 def structured_preset(args) -> dict:
-    return run_structured(cpu_workload(), model_for(args), enforce_eager=args.enforce_eager)
+    return run_structured(preset_workload("cpu", args.dtype), model_for(args), enforce_eager=args.enforce_eager)
 
 
 def run_structured(workload: Workload, model: str, **llm_options) -> dict:

@@ -17,6 +17,8 @@ def resolve_backend(name: str, device: str) -> str:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
         return "triton" if device.startswith("cuda") else "cpu"
+    if name == "cpu" and device.startswith("cuda"):
+        raise ValueError('attention_backend="cpu" runs on the CPU only; use "triton" or "torch" on CUDA')
     if name == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError('attention_backend="triton" on the CPU needs TRITON_INTERPRET=1 in the environment')
     return name

@@ -3,7 +3,7 @@
 - Decodes (one query row per request) go to a small C++ kernel, ``cpu_decode.cpp``, that reads each K and
   V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. It is compiled for this
   machine on first use (about 30 s, then cached); without a C++ compiler the decodes take the path below,
-  correct but several times slower.
+  one SDPA call per request: correct, but several times slower (most in bfloat16).
 - A request with several query rows goes to SDPA's flash kernel (causal when it is a whole prompt).
 
 Each ``CpuBackend`` plans the decode batch once per step (every layer gets the same metadata object), so
@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 KERNEL_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # -march=native: the build is for this CPU only (its folder is named after it). -ffast-math lets the
 # compiler vectorize the dot products and exp; -fno-finite-math-only keeps the -inf the online softmax
-# starts from. -fopenmp: torch's parallel_for splits the requests over its threads.
+# starts from. -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.
 KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
@@ -39,13 +40,15 @@ def load_decode_kernel() -> ModuleType | None:
     """``cpu_decode.cpp`` built for this machine, or None (logged) where it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    if shutil.which("ninja") is None:  # pip's ninja lives beside this interpreter, which may not be on PATH
-        import ninja
-        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    machine = hashlib.sha1(f"{cpu_model()} {sorted(cpu_flags())} {torch.__version__}".encode()).hexdigest()[:12]
-    build = cache_dir() / "cpu-decode" / machine
-    build.mkdir(parents=True, exist_ok=True)
+    machine = f"{cpu_model()} {sorted(cpu_flags())} torch {torch.__version__} python {sys.version_info[:2]}"
+    build = cache_dir() / "cpu-decode" / hashlib.sha1(machine.encode()).hexdigest()[:12]
     try:
+        if shutil.which("ninja") is None:  # pip's ninja lives beside this interpreter, which may not be on PATH
+            import ninja
+            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        build.mkdir(parents=True, exist_ok=True)
+        # A build killed midway leaves a "lock" file in the folder that stalls the next one: delete it then.
+        logger.info("loading the CPU decode kernel from %s (the first time builds it: about 30 s)", build)
         return load("nanoengine_cpu_decode", [str(KERNEL_SOURCE)], extra_cflags=KERNEL_FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(build))
     except (OSError, RuntimeError, ImportError) as error:

@@ -1,40 +1,45 @@
 // Decode attention on the CPU: one query row per request, attended straight from the paged KV cache.
 //
 // Gathering a request's K and V into one tensor and calling SDPA reads every byte three times (gather,
-// write, attend). Here each (request, KV head) walks its block table once: a block's 16 rows of one head
-// are read for the scores, stay in L1 for the weighted sum of V, and the next block (elsewhere in memory)
-// is prefetched meanwhile. Softmax is online, as in the Triton kernel: a running max ``m`` and sum ``l``
-// per query head, the accumulator rescaled whenever the max grows. Everything is summed in float32,
-// whatever the cache's dtype. Built on first use by nanoengine/attention/cpu_backend.py.
+// write, attend). Here each (request, KV head) walks its block table once: a block's K and V rows come
+// from memory once and are reused from L1 by every query head of the group, while the next block
+// (elsewhere in memory) is prefetched. Softmax is online, as in the Triton kernel: a running max ``m``
+// and sum ``l`` per query head, the accumulator rescaled whenever the max grows. Everything is summed in
+// float32, whatever the cache's dtype. Built on first use by nanoengine/attention/cpu_backend.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 // The query heads of one KV head (``group`` rows of ``q``, already scaled) over one request's context.
-// HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop;
-// 0 is the general case. ``work`` holds the scores of one block and, per query head, m, l and the sum.
+// HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop
+// and keeps a head's sum in registers; 0 is the general case. ``work`` holds the scores of one block and,
+// per query head, m, l and the sum.
 template <typename T, int HEAD_DIM>
-void attend_group(const float* q, const T* k_cache, const T* v_cache, const int* block_table, int seq_len,
-                  int block_size, long token_stride, int group, int head_dim_, T* out, float* work) {
+void attend_group(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_table, int seq_len,
+                  int block_size, int64_t token_stride, int group, int head_dim_, T* out, float* work) {
   const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_;
   float *scores = work, *m = scores + block_size, *l = m + group, *acc = l + group;
   std::fill(m, m + group, -INFINITY);
   std::fill(l, l + group, 0.f);
   std::fill(acc, acc + group * head_dim, 0.f);
-  const long block_stride = block_size * token_stride;
+  const int64_t block_stride = block_size * token_stride;
   const int num_blocks = (seq_len + block_size - 1) / block_size;
   for (int b = 0; b < num_blocks; ++b) {
     const T* k = k_cache + block_table[b] * block_stride;
     const T* v = v_cache + block_table[b] * block_stride;
-    if (b + 1 < num_blocks)  // the next block lies elsewhere in memory: ask for its rows now
+    if (b + 1 < num_blocks) {  // the next block lies elsewhere in memory: ask for its rows now
+      const char* next_k = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * block_stride);
+      const char* next_v = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * block_stride);
       for (int t = 0; t < block_size; ++t)
         for (int byte = 0; byte < head_dim * int(sizeof(T)); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + block_table[b + 1] * block_stride + t * token_stride) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + block_table[b + 1] * block_stride + t * token_stride) + byte);
+          __builtin_prefetch(next_k + t * token_stride * sizeof(T) + byte);
+          __builtin_prefetch(next_v + t * token_stride * sizeof(T) + byte);
         }
+    }
     const int n = std::min(block_size, seq_len - b * block_size);
     for (int g = 0; g < group; ++g) {
       const float* q_row = q + g * head_dim;
@@ -53,16 +58,41 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int*
       }
       m[g] = block_max;
       l[g] = l[g] * rescale + block_sum;
-      float* acc_row = acc + g * head_dim;
-      float a[HEAD_DIM > 0 ? HEAD_DIM : 256];
-      for (int d = 0; d < head_dim; ++d) a[d] = acc_row[d] * rescale;
+      float local[HEAD_DIM > 0 ? HEAD_DIM : 1];
+      float* sum = HEAD_DIM > 0 ? local : acc + g * head_dim;  // the general case sums in place
+      for (int d = 0; d < head_dim; ++d) sum[d] = acc[g * head_dim + d] * rescale;
       for (int t = 0; t < n; ++t)
-        for (int d = 0; d < head_dim; ++d) a[d] += scores[t] * float(v[t * token_stride + d]);
-      for (int d = 0; d < head_dim; ++d) acc_row[d] = a[d];
+        for (int d = 0; d < head_dim; ++d) sum[d] += scores[t] * float(v[t * token_stride + d]);
+      std::copy(sum, sum + head_dim, acc + g * head_dim);
     }
   }
   for (int g = 0; g < group; ++g)
     for (int d = 0; d < head_dim; ++d) out[g * head_dim + d] = T(acc[g * head_dim + d] / l[g]);
+}
+
+template <typename T>
+void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
+                            float scale, const at::Tensor& out) {
+  const int num_heads = q.size(1), head_dim = q.size(2);
+  const int block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
+  const int64_t token_stride = int64_t(num_kv_heads) * head_dim, table_stride = block_tables.stride(0);
+  auto attend = head_dim == 64 ? attend_group<T, 64> : head_dim == 128 ? attend_group<T, 128> : attend_group<T, 0>;
+  const T *q_data = q.data_ptr<T>(), *k_data = k_cache.data_ptr<T>(), *v_data = v_cache.data_ptr<T>();
+  const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  T* out_data = out.data_ptr<T>();
+  // One task per (request, KV head): two threads stay busy even with a single request.
+  at::parallel_for(0, rows.size(0) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_scaled(group * head_dim), work(block_size + group * (2 + head_dim));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t first = (row_of[i] * num_heads + kv_head * group) * head_dim;  // the group's first q element
+      for (int e = 0; e < group * head_dim; ++e) q_scaled[e] = float(q_data[first + e]) * scale;
+      attend(q_scaled.data(), k_data + kv_head * head_dim, v_data + kv_head * head_dim, tables + i * table_stride,
+             lens[i], block_size, token_stride, group, head_dim, out_data + first, work.data());
+    }
+  });
 }
 
 // q, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -70,34 +100,32 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int*
 // query row of each decoding request. Only those rows of ``out`` are written.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                      double scale, at::Tensor& out) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+                      double scale, const at::Tensor& out) {
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens, &rows, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "decode_attention takes contiguous CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "decode_attention: the caches' head_dim or KV heads do not fit q");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == q.scalar_type(), "decode_attention: q, out and the caches share one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-              rows.scalar_type() == at::kLong);
-  const int num_heads = q.size(1), head_dim = q.size(2);
-  const int block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
-  const long token_stride = long(num_kv_heads) * head_dim, table_stride = block_tables.stride(0);
-  const int* tables = block_tables.data_ptr<int>();
-  const int* lens = seq_lens.data_ptr<int>();
-  const long* row_of = rows.data_ptr<long>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    auto attend = head_dim == 64 ? attend_group<scalar_t, 64>
-                : head_dim == 128 ? attend_group<scalar_t, 128> : attend_group<scalar_t, 0>;
-    const scalar_t* q_data = q.data_ptr<scalar_t>();
-    scalar_t* out_data = out.data_ptr<scalar_t>();
-    // One task per (request, KV head): two threads stay busy even with a single request.
-    at::parallel_for(0, rows.size(0) * num_kv_heads, 1, [&](long begin, long end) {
-      std::vector<float> q_scaled(group * head_dim), work(block_size + group * (2 + head_dim));
-      for (long task = begin; task < end; ++task) {
-        const long i = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const long first = (row_of[i] * num_heads + kv_head * group) * head_dim;  // the group's first q element
-        for (int e = 0; e < group * head_dim; ++e) q_scaled[e] = float(q_data[first + e]) * float(scale);
-        attend(q_scaled.data(), k_cache.data_ptr<scalar_t>() + kv_head * head_dim,
-               v_cache.data_ptr<scalar_t>() + kv_head * head_dim, tables + i * table_stride, lens[i], block_size,
-               token_stride, group, head_dim, out_data + first, work.data());
-      }
-    });
-  });
+              rows.scalar_type() == at::kLong, "decode_attention: int32 block tables and lengths, int64 rows");
+  TORCH_CHECK(block_tables.size(0) == rows.size(0) && seq_lens.size(0) == rows.size(0),
+              "decode_attention: one block table, length and row per decoding request");
+  TORCH_CHECK(seq_lens.numel() == 0 || seq_lens.min().item<int>() >= 1, "decode_attention: a context is empty");
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    decode_attention_typed<T>(q, k_cache, v_cache, block_tables, seq_lens, rows, float(scale), out);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: return run(float());
+    case at::kBFloat16: return run(at::BFloat16());
+    case at::kHalf: return run(at::Half());
+    default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 only, not ", q.scalar_type());
+  }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
+}
