@@ -82,7 +82,7 @@ class CpuBackend:
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             query_len = starts[i + 1] - starts[i]
-            if query_len > 1 or (query_len == 1 and plan is None):
+            if query_len > 1 or plan is None:
                 rows = slice(starts[i], starts[i + 1])
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
