@@ -14,6 +14,10 @@
 #include <cstdint>
 #include <vector>
 
+// The running max's start: below every score, and finite, because -ffast-math (which lets the compiler
+// call a vectorized exp) assumes there are no infinities.
+constexpr float kBelowEveryScore = -3.0e38f;
+
 // The query heads of one KV head (``group`` rows of ``q``, already scaled) over one request's context.
 // HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop
 // and keeps a head's sum in registers; 0 is the general case. ``work`` holds the scores of one block and,
@@ -23,7 +27,7 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int3
                   int block_size, int64_t token_stride, int group, int head_dim_, T* out, float* work) {
   const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_;
   float *scores = work, *m = scores + block_size, *l = m + group, *acc = l + group;
-  std::fill(m, m + group, -INFINITY);
+  std::fill(m, m + group, kBelowEveryScore);
   std::fill(l, l + group, 0.f);
   std::fill(acc, acc + group * head_dim, 0.f);
   const int64_t block_stride = block_size * token_stride;
@@ -50,7 +54,7 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int3
         scores[t] = dot;
         block_max = std::max(block_max, dot);
       }
-      const float rescale = std::exp(m[g] - block_max);  // 0 on the first block, where m is -inf
+      const float rescale = std::exp(m[g] - block_max);  // 0 on the first block
       float block_sum = 0.f;
       for (int t = 0; t < n; ++t) {
         scores[t] = std::exp(scores[t] - block_max);
