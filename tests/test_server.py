@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -291,7 +292,7 @@ def test_response_format_and_structured_outputs_map_onto_engine_params():
     with pytest.raises(ValueError, match="not both"):
         as_params(ResponseFormat(type="json_object"), {"regex": "a"})
     request = CompletionRequest(prompt="hi", structured_outputs={"grammar": 'root ::= "a"'})
-    assert request.to_sampling_params().structured_outputs == StructuredOutputsParams(grammar='root ::= "a"')
+    assert request.to_sampling_params({}).structured_outputs == StructuredOutputsParams(grammar='root ::= "a"')
 
 
 def test_served_outputs_follow_response_format_and_structured_outputs(client):
@@ -307,3 +308,24 @@ def test_served_outputs_follow_response_format_and_structured_outputs(client):
     choice = client.completions.create(model=None, prompt="Pick:", temperature=0, max_tokens=16,
                                        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
     assert re.fullmatch("[0-9]{3}", choice.choices[0].text) and choice.choices[0].finish_reason == "stop"
+
+
+def test_fields_a_request_leaves_out_take_the_model_generation_config(sharp_tiny_model, tmp_path):
+    """As vLLM's server does: generation_config.json's sampling values fill the fields a request leaves out
+    (max_new_tokens caps a chat request without max_tokens); the request's own values win."""
+    model_dir = shutil.copytree(sharp_tiny_model[0], tmp_path / "model")
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 5.0, "max_new_tokens": 6}))
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    with running_server(str(model_dir), "--max-model-len", str(MAX_MODEL_LEN)) as (_, url):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        defaulted = client.chat.completions.create(model=None, messages=messages, seed=0)
+        overridden = client.chat.completions.create(model=None, messages=messages, temperature=0, max_tokens=4)
+    with LLM(str(model_dir), max_model_len=MAX_MODEL_LEN) as llm:
+        [hot, greedy] = llm.chat([messages] * 2, [SamplingParams(temperature=5.0, seed=0, max_tokens=6),
+                                                 SamplingParams(temperature=0, max_tokens=6)], use_tqdm=False)
+    assert hot.outputs[0].token_ids != greedy.outputs[0].token_ids  # so the default temperature shows
+    assert (defaulted.usage.completion_tokens, defaulted.choices[0].finish_reason) == (6, "length")
+    assert defaulted.choices[0].message.content == hot.outputs[0].text
+    assert overridden.usage.completion_tokens == 4
+    assert overridden.choices[0].message.content == greedy.outputs[0].text[:len(overridden.choices[0].message.content)]
+    assert overridden.choices[0].message.content

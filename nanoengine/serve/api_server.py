@@ -48,6 +48,7 @@ class OpenAIServer:
     def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
                  metrics: Metrics):
         self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
+        self.generation_defaults = validator.config.default_sampling_params()
         self.shutting_down = False
 
     def stop(self) -> None:
@@ -62,8 +63,8 @@ class OpenAIServer:
             raise APIError(400, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_names[0]!r})", "model")
         try:
-            request = self.validator.make_request(f"{prefix}-{uuid.uuid4().hex}", prompt, body.to_sampling_params(),
-                                                  body.priority)
+            params = body.to_sampling_params(self.generation_defaults)
+            request = self.validator.make_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params, body.priority)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
         return EngineCoreRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,

@@ -26,6 +26,10 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+
 class GenerationRequest(BaseModel):
     """What /v1/completions and /v1/chat/completions share (OpenAI's fields, then vLLM's extensions)."""
 
@@ -33,18 +37,20 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = None
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # The sampling fields are None when the request leaves them out: the model's generation_config fills
+    # those (as in vLLM's server), and SamplingParams' own defaults fill the rest.
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -54,17 +60,17 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """``defaults``: the model's generation_config values (``LLMEngine.config.default_sampling_params()``)."""
         if self.n != 1:
             raise ValueError(f"only n=1 is served (one choice per request), got n={self.n}")
+        given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        sampling = {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS} | given
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
-            output_kind=RequestOutputKind.DELTA,
+            **sampling, seed=self.seed, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
 
 
@@ -73,8 +79,8 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -99,11 +105,11 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, defaults)
 
 
 def structured_outputs_params(response_format: ResponseFormat | None,
