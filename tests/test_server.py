@@ -36,6 +36,12 @@ def tiny_server(sharp_tiny_model):
 
 
 @pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir):
+    with running_server(smollm2_dir, "--max-model-len", "512") as (_, url):
+        yield url
+
+
+@pytest.fixture(scope="module")
 def client(tiny_server) -> OpenAI:
     return OpenAI(base_url=f"{tiny_server}/v1", api_key=KEY, max_retries=0)
 
@@ -165,15 +171,27 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(ti
     assert metric(tiny_server, "nanoengine:generation_tokens_total") - generated_before < 200
 
 
+def test_a_client_that_drops_a_non_streamed_request_is_aborted_too(smollm2_server):
+    # SmolLM2, not the tiny model: 200 tokens take it seconds, so the request is still running when the
+    # client gives up (the tiny model can finish them first).
+    generated_before = metric(smollm2_server, "nanoengine:generation_tokens_total")
+    body = {"prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{smollm2_server}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+    wait_for(lambda: metric(smollm2_server, "nanoengine:num_requests_running") == 0
+             and metric(smollm2_server, "nanoengine:kv_cache_usage_perc") == 0, "the abort")
+    assert metric(smollm2_server, "nanoengine:generation_tokens_total") - generated_before < 200
+
+
 PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(16)]
 
 
-def test_16_concurrent_streaming_greedy_clients_get_the_offline_tokens(smollm2_dir):
+def test_16_concurrent_streaming_greedy_clients_get_the_offline_tokens(smollm2_dir, smollm2_server):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     with LLM(smollm2_dir, max_model_len=512) as llm:
         offline = llm.generate(PROMPTS, params, use_tqdm=False)
-    with running_server(smollm2_dir, "--max-model-len", "512") as (_, url):
-        streamed = asyncio.run(stream_all(AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)))
+    client = AsyncOpenAI(base_url=f"{smollm2_server}/v1", api_key="none", max_retries=0)
+    streamed = asyncio.run(stream_all(client))
     for output, (text, tokens) in zip(offline, streamed):
         assert text == output.outputs[0].text
         assert tokens == [lp[t].decoded_token for t, lp in zip(output.outputs[0].token_ids, output.outputs[0].logprobs)]

@@ -6,6 +6,7 @@ Each request is tokenized (chat template included) and fully validated here, by 
 core detokenizes, because it already must to find stop strings.
 """
 
+import asyncio
 import json
 import secrets
 import time
@@ -22,6 +23,8 @@ from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
 from nanoengine.serve.engine_core import EngineCoreRequest
 from nanoengine.serve.metrics import Metrics
 from nanoengine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
 class APIError(Exception):
@@ -83,11 +86,20 @@ class OpenAIServer:
         except ValueError as error:  # refused by the engine core
             raise APIError(400, str(error)) from error
 
-    async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool):
+    async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool, http: Request):
         base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}
-        if body.stream:
+        if body.stream:  # a client that hangs up closes the stream, and with it the request
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self.sse(base, request, chat, include_usage), media_type="text/event-stream")
+        reply = asyncio.ensure_future(self.whole_reply(base, request, chat))
+        while not reply.done():
+            if await http.is_disconnected():
+                reply.cancel()  # EngineCoreClient.generate then aborts the request in the engine core
+                return Response(status_code=499)  # "client closed request": nobody reads it
+            await asyncio.wait([reply], timeout=DISCONNECT_POLL_S)
+        return reply.result()
+
+    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool) -> dict:
         text, token_ids, logprobs, output = "", [], [], None
         async for output in self.outputs(request):
             completion = output.outputs[0]
@@ -170,13 +182,13 @@ def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
                                             "created": 0, "max_model_len": server.validator.config.max_model_len}]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: Request):
         prompt = {"prompt_token_ids" if isinstance(body.prompt, list) else "prompt": body.prompt,
                   "cache_salt": body.cache_salt}
-        return await server.respond(body, server.engine_request(body, prompt, "cmpl"), chat=False)
+        return await server.respond(body, server.engine_request(body, prompt, "cmpl"), False, http)
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         tokenizer = server.validator.tokenizer
         try:
             text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
@@ -185,7 +197,7 @@ def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
             raise APIError(400, str(error), "messages") from error
         # The template already holds any special tokens, so it is tokenized without adding more.
         prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "cache_salt": body.cache_salt}
-        return await server.respond(body, server.engine_request(body, prompt, "chatcmpl"), chat=True)
+        return await server.respond(body, server.engine_request(body, prompt, "chatcmpl"), True, http)
 
     app.include_router(v1)
 
