@@ -70,12 +70,6 @@ WORKLOADS = {
 }
 
 
-def cpu_workload() -> Workload:
-    """The cpu preset: bfloat16 where the CPU multiplies it natively (AVX-512 BF16 or AMX), else float32."""
-    native_bf16 = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    return WORKLOADS["cpu"] if native_bf16 else replace(WORKLOADS["cpu"], dtype="float32")
-
-
 def on_gpu() -> bool:
     return torch.cuda.is_available()
 
@@ -386,8 +380,11 @@ def wait_finished(manager):
 
 
 def preset_workload(preset: str, dtype: str | None) -> Workload:
-    workload = cpu_workload() if preset == "cpu" else WORKLOADS[preset]
-    return replace(workload, dtype=dtype) if dtype else workload
+    """The preset's workload in ``dtype``; by default the cpu preset runs in bfloat16 where the CPU multiplies
+    it natively (AVX-512 BF16 or AMX), else in float32."""
+    if dtype is None and preset == "cpu" and not cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        dtype = "float32"
+    return replace(WORKLOADS[preset], dtype=dtype) if dtype else WORKLOADS[preset]
 
 
 def throughput_preset(args) -> dict:

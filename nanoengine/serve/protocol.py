@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanoengine.config import GENERATION_DEFAULTS
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
@@ -26,8 +27,8 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
+# The request fields that generation_config.json can default (its max_new_tokens is the token limit).
+SAMPLING_FIELDS = tuple(name for name in GENERATION_DEFAULTS if name != "max_new_tokens")
 
 
 class GenerationRequest(BaseModel):
