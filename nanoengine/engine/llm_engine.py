@@ -87,7 +87,7 @@ class LLMEngine:
         check_number("priority", priority, int)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise field_error("priority", f"priority={priority} needs scheduling_policy='priority' (it is "
-                             f"{self.config.scheduling_policy!r})")
+                                          f"{self.config.scheduling_policy!r})")
         self.check_params_fit_vocab(params)
         text, token_ids, cache_salt = self.parse_prompt(prompt)
         self.check_prompt_tokens(token_ids)
@@ -160,8 +160,8 @@ class LLMEngine:
             raise field_error("prompt_token_ids", "prompt_token_ids is empty")
         self.check_in_vocab("prompt_token_ids", token_ids)
         if len(token_ids) >= self.config.max_model_len:
-            raise field_error("prompt", f"prompt is {len(token_ids)} tokens, which leaves no room to generate within "
-                             f"max_model_len={self.config.max_model_len}")
+            raise field_error("prompt", f"prompt is {len(token_ids)} tokens, which leaves no room to generate "
+                                        f"within max_model_len={self.config.max_model_len}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> None:

@@ -291,8 +291,7 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
 
     @app.exception_handler(HTTPException)
     async def http_error(_, error: HTTPException):  # 404, 405, 413, a body that could not be parsed
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(error.status_code, str(error.detail), kind=kind).body(),
-                            status_code=error.status_code, headers=error.headers)
+        return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
+                            headers=error.headers)
 
     return app
