@@ -176,6 +176,18 @@ def test_aborting_the_parent_aborts_every_sample(llm):
     assert run_steps(engine)[-1].finished
 
 
+def test_aborting_every_sample_by_its_own_id_frees_the_parent_too(llm):
+    engine = llm.llm_engine
+    engine.add_request("p", PROMPT, greedy(5, n=3))
+    engine.step()
+    engine.abort_request(["0_p", "1_p"])
+    assert list(engine.parents) == ["p"]
+    engine.abort_request("2_p")
+    assert not engine.parents and not engine.has_unfinished_requests()
+    engine.add_request("p", PROMPT, greedy(1))  # the id is free again
+    assert run_steps(engine)[-1].finished
+
+
 # chat options ------------------------------------------------------------------------------------------------
 
 

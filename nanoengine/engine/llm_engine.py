@@ -193,6 +193,9 @@ class LLMEngine:
         self.detokenizers.pop(request.request_id, None)
         self.sent_offsets.pop(request.request_id, None)
         self.model_runner.finish_request(request.request_id)
+        parent = request.parent
+        if parent is not None and all(child.is_finished for child in parent.children):
+            self.parents.pop(parent.request_id, None)  # its last child is done, or aborted by its own id
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.held_outputs) or self.scheduler.has_unfinished_requests()
@@ -389,8 +392,6 @@ class LLMEngine:
         final_only = parent.params.output_kind == RequestOutputKind.FINAL_ONLY
         if final_only and not finished:
             return None
-        if finished:
-            del self.parents[parent.request_id]
         completions = list(parent.completions) if final_only else output.outputs
         return replace(output, request_id=parent.request_id, outputs=completions, finished=finished)
 
