@@ -92,15 +92,14 @@ def llm(folder):
         yield llm
 
 
-HF_GREEDY_CACHE: dict[tuple, list[int]] = {}
-
-
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
-    """transformers' own greedy continuation of one prompt (remembered: the models are never modified)."""
-    key = (id(model), tuple(prompt_ids), max_new_tokens, eos_token_id)
-    if key not in HF_GREEDY_CACHE:
-        HF_GREEDY_CACHE[key] = run_hf_greedy(model, prompt_ids, max_new_tokens, eos_token_id)
-    return HF_GREEDY_CACHE[key]
+    """transformers' own greedy continuation of one prompt, remembered on the model (which is never modified),
+    so that the memory lives and dies with it."""
+    remembered = model.__dict__.setdefault("greedy_continuations", {})
+    key = (tuple(prompt_ids), max_new_tokens, eos_token_id)
+    if key not in remembered:
+        remembered[key] = run_hf_greedy(model, prompt_ids, max_new_tokens, eos_token_id)
+    return remembered[key]
 
 
 def run_hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import hf_greedy, run_hf_greedy
+from conftest import hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanoengine import LLM, SamplingParams
@@ -104,7 +104,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(smollm2_dir):
     equal = 0
     for conversation, output in zip(conversations(), outputs):
         prompt = chat_token_ids(tokenizer, conversation)
-        theirs = run_hf_greedy(hf_bf16, prompt, max_tokens, tokenizer.eos_token_id)
+        theirs = hf_greedy(hf_bf16, prompt, max_tokens, tokenizer.eos_token_id)
         assert_same_or_near_tie(hf_bf16, prompt, output.outputs[0].token_ids, theirs)
         equal += output.outputs[0].token_ids == theirs
     assert equal >= len(outputs) // 2, "most conversations should match outright"
