@@ -31,7 +31,8 @@ ENGINE_DRAWS = 32  # per case, through the whole engine
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    with LLM(smollm2_dir, dtype="float32", max_model_len=1024) as llm:
+    # vLLM recorded the fixture with max_logprobs=32 (scripts/record_vllm_reference.py): the same here.
+    with LLM(smollm2_dir, dtype="float32", max_model_len=1024, max_logprobs=32) as llm:
         yield llm
 
 
