@@ -28,7 +28,7 @@ def poison_unowned_slots(step) -> None:
 
 @pytest.fixture(scope="module")
 def decode_kernel():
-    kernel = cpu_backend.load_decode_kernel()
+    kernel = cpu_backend.load_cpu_kernels()
     assert kernel is not None, "the C++ decode kernel did not build: see the warning logged above"
     return kernel
 
@@ -106,7 +106,7 @@ def test_a_kernel_that_cannot_be_built_leaves_decodes_to_sdpa(monkeypatch, caplo
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    assert cpu_backend.load_decode_kernel() is None
+    assert cpu_backend.load_cpu_kernels() is None
     assert "could not be built (no C++ compiler)" in caplog.text
 
 

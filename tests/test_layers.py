@@ -5,8 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoengine.attention import cpu_backend
 from nanoengine.layers import linear as linear_module
+from nanoengine.layers.activation import SiluAndMul
 from nanoengine.layers.linear import can_pack_for_onednn, choose_linear_kernels, linear
+from nanoengine.layers.norm import RMSNorm
+from nanoengine.layers.rotary import RotaryEmbedding
 
 needs_onednn = pytest.mark.skipif(not can_pack_for_onednn(torch.empty(1)), reason="this torch build has no oneDNN")
 
@@ -76,3 +80,87 @@ def test_weights_that_onednn_cannot_take_stay_unpacked():
     model = TwoLinears(torch.float16)
     choose_linear_kernels(model, "onednn")
     assert model.first.packed_weight is None and model.second.packed_weight is None
+
+
+# The small ops' C++ kernels (layers/cpu_ops.cpp) against the torch modules -----------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    kernels = cpu_backend.load_cpu_kernels()
+    assert kernels is not None, "the C++ kernels did not build: see the warning logged above"
+    return kernels
+
+
+def assert_kernel_matches(out: torch.Tensor, expected: torch.Tensor, max_units: int = 1) -> None:
+    """float32: within the sums' reordering. bfloat16 and float16: equal, but for at most ``max_units`` units
+    in the last place in at most 0.5% of the elements (where a C++ exp or sum rounds the other way)."""
+    assert not out.isnan().any()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=2e-6, atol=2e-6)
+        return
+    units_apart = (out.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert units_apart.max() <= max_units and (units_apart > 0).float().mean() <= 0.005, units_apart.max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("rows, dim", [(1, 576), (7, 576), (300, 64)])
+def test_the_rms_norm_kernel_matches_the_module(cpu_ops, dtype, rows, dim):
+    norm = RMSNorm(dim, 1e-5).to(dtype)
+    norm.weight.copy_(torch.randn(dim))
+    x = torch.randn(rows, dim, dtype=dtype) * 3
+    out = torch.full_like(x, float("nan"))
+    cpu_ops.rms_norm(x, norm.weight, norm.eps, out)
+    assert_kernel_matches(out, norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_the_rms_norm_kernel_reads_the_heads_of_a_qkv_view(cpu_ops, dtype):
+    """Qwen3's q and k norms: the heads of a view into the fused QKV output (not contiguous)."""
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    norm.weight.copy_(torch.randn(64))
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, dtype=dtype)
+    k = qkv[:, 9 * 64:12 * 64].view(5, 3, 64)
+    out = torch.full(k.shape, float("nan"), dtype=dtype)
+    cpu_ops.rms_norm(k, norm.weight, norm.eps, out)
+    assert_kernel_matches(out, norm(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_the_silu_and_mul_kernel_matches_the_module(cpu_ops, dtype, rows):
+    gate_up = torch.randn(rows, 2 * 1536, dtype=dtype) * 3
+    out = torch.full((rows, 1536), float("nan"), dtype=dtype)
+    cpu_ops.silu_and_mul(gate_up, out)
+    # A silu one unit off (its exp in double, torch's in float) can be two units off once multiplied by up.
+    assert_kernel_matches(out, SiluAndMul()(gate_up), max_units=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_rotary_kernel_rotates_q_and_k_in_place_and_nothing_else(cpu_ops, dtype, head_dim):
+    heads, kv_heads, tokens = 4, 2, 9
+    rotation = RotaryEmbedding(head_dim, 4096, {"rope_theta": 1e6})(torch.randint(0, 4096, (tokens,)), dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    expected_q, expected_k = (rotation.apply(x.view(tokens, -1, head_dim))
+                              for x in qkv.split([q_size, kv_size, kv_size], dim=-1)[:2])
+    rotated = qkv.clone()
+    q, k, v = rotated.split([q_size, kv_size, kv_size], dim=-1)
+    in_place = rotation._replace(cpu_ops=cpu_ops)
+    for x, expected in ((q.view(tokens, heads, head_dim), expected_q), (k.view(tokens, kv_heads, head_dim),
+                                                                         expected_k)):
+        assert in_place.apply(x).data_ptr() == x.data_ptr()
+        assert_kernel_matches(x, expected)
+    assert torch.equal(v, qkv[:, q_size + kv_size:])
+
+
+def test_the_small_op_kernels_refuse_what_they_cannot_read(cpu_ops):
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_ops.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6, torch.empty(2, 8))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        cpu_ops.silu_and_mul(torch.ones(2, 8, dtype=torch.float64), torch.empty(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="even head_dim"):
+        cpu_ops.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))

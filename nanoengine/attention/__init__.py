@@ -27,4 +27,4 @@ def resolve_backend(name: str, device: str) -> str:
 def load_backend(name: str):
     """The backend's module; the CPU backend plans per step, so each call gives a fresh object."""
     module: ModuleType = importlib.import_module(f"nanoengine.attention.{name}_backend")
-    return module.CpuBackend(module.load_decode_kernel()) if name == "cpu" else module
+    return module.CpuBackend(module.load_cpu_kernels()) if name == "cpu" else module

@@ -2,8 +2,9 @@
 
 - Decodes (one query row per request) go to a small C++ kernel, ``cpu_decode.cpp``, that reads each K and
   V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. It is compiled for this
-  machine on first use (about 30 s, then cached); without a C++ compiler the decodes take the path below,
-  one SDPA call per request: correct, but several times slower (most in bfloat16).
+  machine on first use (about 30 s, then cached), together with the layers' small ops
+  (``layers/cpu_ops.cpp``); without a C++ compiler the decodes take the path below, one SDPA call per
+  request: correct, but several times slower (most in bfloat16).
 - A request with several query rows goes to SDPA's flash kernel (causal when it is a whole prompt).
 
 Each ``CpuBackend`` plans the decode batch once per step (every layer gets the same metadata object), so
@@ -29,30 +30,30 @@ from nanoengine.utils.default_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+KERNEL_SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).parents[1] / "layers" / "cpu_ops.cpp"]
 # -march=native: the build is for this CPU only (its folder is named after it). -ffast-math lets the
 # compiler vectorize the dot products and exp (glibc's vector exp needs all of it, finite math included).
 # -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.
 KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
-def load_decode_kernel() -> ModuleType | None:
-    """``cpu_decode.cpp`` built for this machine, or None (logged) where it cannot be built."""
+def load_cpu_kernels() -> ModuleType | None:
+    """The decode kernel and the layers' small ops built for this machine, or None (logged) where they cannot be."""
     from torch.utils.cpp_extension import load
 
     machine = f"{cpu_model()} {sorted(cpu_flags())} torch {torch.__version__} python {sys.version_info[:2]}"
-    build = cache_dir() / "cpu-decode" / hashlib.sha1(machine.encode()).hexdigest()[:12]
+    build = cache_dir() / "cpu-kernels" / hashlib.sha1(machine.encode()).hexdigest()[:12]
     try:
         if shutil.which("ninja") is None:  # pip's ninja lives beside this interpreter, which may not be on PATH
             import ninja
             os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
         build.mkdir(parents=True, exist_ok=True)
         # A build killed midway leaves a "lock" file in the folder that stalls the next one: delete it then.
-        logger.info("loading the CPU decode kernel from %s (the first time builds it: about 30 s)", build)
-        return load("nanoengine_cpu_decode", [str(KERNEL_SOURCE)], extra_cflags=KERNEL_FLAGS,
+        logger.info("loading the CPU kernels from %s (the first time builds them: about 30 s)", build)
+        return load("nanoengine_cpu_kernels", [str(s) for s in KERNEL_SOURCES], extra_cflags=KERNEL_FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(build))
     except (OSError, RuntimeError, ImportError) as error:
-        logger.warning("the CPU decode kernel could not be built (%s); decodes take the slower SDPA path", error)
+        logger.warning("the CPU kernels could not be built (%s); decodes take the slower SDPA path", error)
         return None
 
 
@@ -64,8 +65,8 @@ class DecodePlan:
 
 
 class CpuBackend:
-    def __init__(self, decode_kernel: ModuleType | None):
-        self.decode_kernel = decode_kernel
+    def __init__(self, kernels: ModuleType | None):
+        self.kernels = kernels  # the C++ extension (decode_attention and the layers' small ops), or None
         self.planned: tuple[AttentionMetadata | None, DecodePlan | None] = (None, None)
 
     store_kv = staticmethod(store_kv)
@@ -77,7 +78,7 @@ class CpuBackend:
         out = torch.empty_like(q)
         plan = self.decode_plan(meta)
         if plan is not None:
-            self.decode_kernel.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows,
+            self.kernels.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows,
                                                 scale, out)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -95,7 +96,7 @@ class CpuBackend:
             starts = meta.query_start_loc_cpu
             decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
             plan = None
-            if decodes and self.decode_kernel is not None:
+            if decodes and self.kernels is not None:
                 index = torch.tensor(decodes)
                 plan = DecodePlan(torch.tensor([starts[i] for i in decodes]),
                                   meta.block_tables[index].contiguous(), meta.seq_lens[index].contiguous())

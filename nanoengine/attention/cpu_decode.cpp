@@ -130,6 +130,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
 }
 
+// The small per-layer ops, in nanoengine/layers/cpu_ops.cpp (one extension holds every CPU kernel).
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out);
+void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, release);
+  m.def("rms_norm", &rms_norm, release);
+  m.def("silu_and_mul", &silu_and_mul, release);
+  m.def("rotary", &rotary, release);
 }

@@ -126,6 +126,10 @@ class ModelRunner:
         backend = load_backend(self.config.attention_backend)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
+        if getattr(backend, "kernels", None) is not None:  # the cpu backend: its extension has the small ops too
+            for module in self.model.modules():
+                if hasattr(module, "cpu_ops"):
+                    module.cpu_ops = backend.kernels
         return num_blocks
 
     def blocks_that_fit(self, bytes_per_block: int) -> int:

@@ -1,0 +1,122 @@
+// The small per-layer ops on the CPU: RMSNorm, SiLU(gate) * up and rotary, one pass over each row where
+// torch runs four to six kernels (and dispatches each of them: at a decode's few rows, most of the time).
+// Each rounds to the model's dtype exactly where the torch modules in layers/ do (and so Hugging Face's),
+// so that a bfloat16 result is theirs bit for bit, bar the last bit of an exp or a sum. Built with the
+// decode kernel by nanoengine/attention/cpu_backend.py; tested against the torch modules in tests/test_layers.py.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// x rounded to T and back: a bfloat16 or float16 product or sum in torch is rounded once, here too.
+template <typename T>
+inline float rounded(float x) {
+  return float(T(x));
+}
+
+// Rows of ``x`` addressed as (outer, inner) pairs: [tokens, hidden] or the heads of [tokens, heads, head_dim].
+struct Rows {
+  int64_t inner, outer_stride, inner_stride;
+  int64_t offset(int64_t row) const { return row / inner * outer_stride + row % inner * inner_stride; }
+};
+
+Rows rows_of(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.stride(-1) == 1 && (x.dim() == 2 || x.dim() == 3),
+              "cpu_ops: a CPU tensor [rows, dim] or [tokens, heads, dim] whose last dimension is contiguous");
+  if (x.dim() == 2) return {1, x.stride(0), 0};
+  return {x.size(1), x.stride(0), x.stride(1)};
+}
+
+template <typename Fn>
+void for_each_dtype(const at::Tensor& x, const char* name, const Fn& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return fn(float());
+    case at::kBFloat16: return fn(at::BFloat16());
+    case at::kHalf: return fn(at::Half());
+    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 only, not ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+// out = weight * T(x / sqrt(mean(x^2) + eps)), the normalization in float32 (layers/norm.py).
+// x: [rows, dim] or [tokens, heads, dim]; out: contiguous, of x's shape.
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
+  const Rows rows = rows_of(x);
+  const int64_t dim = x.size(-1), num_rows = x.numel() / dim;
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && weight.is_contiguous() && weight.numel() == dim &&
+              weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: out contiguous and of x's shape, weight [dim], one dtype");
+  for_each_dtype(x, "rms_norm", [&](auto element) {
+    using T = decltype(element);
+    const T *x_data = x.data_ptr<T>(), *w = weight.data_ptr<T>();
+    T* out_data = out.data_ptr<T>();
+    at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = x_data + rows.offset(r);
+        T* o = out_data + r * dim;
+        float squares = 0.f;
+        for (int64_t d = 0; d < dim; ++d) squares += float(row[d]) * float(row[d]);
+        const float inverse_rms = 1.f / std::sqrt(squares / float(dim) + float(eps));
+        for (int64_t d = 0; d < dim; ++d) o[d] = T(float(w[d]) * rounded<T>(float(row[d]) * inverse_rms));
+      }
+    });
+  });
+}
+
+// out = T(silu(gate)) * up, for gate_up = [gate | up] ([rows, 2 * dim], contiguous); out: [rows, dim].
+void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  const int64_t dim = gate_up.size(-1) / 2, num_rows = gate_up.numel() / (2 * dim);
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() &&
+              out.size(0) == num_rows && out.size(1) == dim && out.scalar_type() == gate_up.scalar_type(),
+              "silu_and_mul: contiguous CPU [rows, 2 * dim] in, [rows, dim] out, one dtype");
+  for_each_dtype(gate_up, "silu_and_mul", [&](auto element) {
+    using T = decltype(element);
+    const T* in = gate_up.data_ptr<T>();
+    T* out_data = out.data_ptr<T>();
+    at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T *gate = in + r * 2 * dim, *up = gate + dim;
+        T* o = out_data + r * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          // In double: -ffast-math's float exp and division are a few units off, enough to round a bfloat16
+          // the other way in 1 of 400 elements. The argument is capped, as -ffast-math assumes no infinities.
+          const double g = double(gate[d]);
+          o[d] = T(rounded<T>(float(g / (1.0 + std::exp(std::min(-g, 700.0))))) * float(up[d]));
+        }
+      }
+    });
+  });
+}
+
+// x = x * cos + rotate_half(x) * sin, in place, each product and the sum rounded to T (layers/rotary.py).
+// x: [tokens, heads, head_dim] (a view into the fused QKV output is fine); cos, sin: [tokens, head_dim],
+// contiguous, each half a copy of the other, as RotaryEmbedding makes them.
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const Rows rows = rows_of(x);
+  const int64_t head_dim = x.size(-1), half = head_dim / 2, heads = x.size(1), num_rows = x.size(0) * heads;
+  TORCH_CHECK(x.dim() == 3 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * head_dim &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
+              sin.scalar_type() == x.scalar_type() && head_dim % 2 == 0,
+              "rotary: x [tokens, heads, head_dim] (even head_dim), cos and sin [tokens, head_dim], one dtype");
+  for_each_dtype(x, "rotary", [&](auto element) {
+    using T = decltype(element);
+    T* x_data = x.data_ptr<T>();
+    const T *cos_data = cos.data_ptr<T>(), *sin_data = sin.data_ptr<T>();
+    at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* row = x_data + rows.offset(r);
+        const T *c = cos_data + r / heads * head_dim, *s = sin_data + r / heads * head_dim;
+        for (int64_t d = 0; d < half; ++d) {
+          const float first = float(row[d]), second = float(row[d + half]);
+          row[d] = T(rounded<T>(first * float(c[d])) + rounded<T>(-second * float(s[d])));
+          row[d + half] = T(rounded<T>(second * float(c[d + half])) + rounded<T>(first * float(s[d + half])));
+        }
+      }
+    });
+  });
+}
