@@ -27,7 +27,7 @@ class LLMEngine:
         self.init_request_checks(config)
         self.model_runner = start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config, self.block_manager)
         self.fit_max_model_len_to_kv_cache()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
