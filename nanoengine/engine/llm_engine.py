@@ -99,6 +99,12 @@ class LLMEngine:
                                                                           request.stop_token_ids)
         return request
 
+    def render_chat(self, conversation: list[dict], **template_options) -> tuple[str, list[int]]:
+        """A conversation through the chat template: its text and token ids (the template holds any special
+        tokens, so none are added). ``template_options`` go to ``apply_chat_template``."""
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **template_options)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
     def structured_output_manager(self) -> StructuredOutputManager:
         if self.structured_outputs is None:
             self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
