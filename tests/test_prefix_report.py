@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,18 @@ def test_module_prints_a_table_and_plots_the_hit_rate(folder, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "prompt tokens cached" in done.stdout and "lies most often in messages[1] (user)" in done.stdout
     assert (tmp_path / "rate.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_ttft_example_reuses_the_shared_prefix_offline_and_served(smollm2_dir):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_caching_ttft.py"), "--model", smollm2_dir],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"^(offline|server) +(first|same again|id first) +TTFT +[\d.]+ ms +cached +(\d+) of (\d+)",
+                      done.stdout, re.M)
+    cached = {(where, name): (int(hit), int(total)) for where, name, hit, total in rows}
+    assert len(cached) == 6
+    for where in ("offline", "server"):
+        hit, total = cached[where, "same again"]
+        assert cached[where, "first"] == (0, total) and hit == 16 * ((total - 1) // 16) > 0
+        assert cached[where, "id first"][0] == 0
