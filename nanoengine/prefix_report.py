@@ -165,8 +165,7 @@ def print_table(result: dict) -> None:
         where = "" if r["diverges_at"] is None else f"{r['diverges_at']} (b{r['diverges_in_block']})"
         message = f"[{r['message_index']}] {r['message_role']}" if r.get("message_index") is not None else ""
         print(f"{r['line']:>5} {r['prompt_tokens']:>7} {cached:>7} {where:>12} {r['closest_line'] or '':>5}  "
-              f"{message:<16} "
-              f"{json.dumps(r['divergence_text']) if r['divergence_text'] else ''}")
+              f"{message:<16} {json.dumps(r['divergence_text']) if r['divergence_text'] else ''}".rstrip())
     s = result["summary"]
     print(f"\n{s['requests']} requests: {s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt tokens cached "
           f"({s['hit_rate']:.1%})")

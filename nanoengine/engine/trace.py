@@ -6,7 +6,7 @@ to stderr. A block, logged after scheduling and before the model runs::
 
     step 7: 2 scheduled, 17 tokens | free blocks 3 (1 cached) | running [a, c] | waiting [b]
       decode  a  37+1/38   new blocks [9]
-      prefill c  16+16/40  new blocks [12]  cache hit 1 block (16 tokens): 3#5d1e0c
+      prefill c  16+16/40  new blocks [12]  cache hit 1 block(s) (16 tokens): 3#5d1e0c
       preempted b
 
 ``37+1/38``: 37 tokens already had K/V in the cache, 1 is computed now, of 38 known tokens. A request
