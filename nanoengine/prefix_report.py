@@ -73,15 +73,16 @@ def parse_line(number: int, text: str, validator: RequestValidator) -> Entry:
     return Entry(number, request, ends, [m["role"] for m in messages])
 
 
-def replay(requests: list[Request], num_blocks: int, block_size: int) -> list[int | None]:
-    """Each request's cached tokens when they run one at a time in order (None: it does not fit the cache)."""
+def replay(requests: list[Request], num_blocks: int, block_size: int) -> list[int]:
+    """Each request's cached tokens when they run one at a time, in order, on a fresh cache."""
     bm = BlockManager(num_blocks, block_size)
     cached = []
     for request in requests:
         prefix = bm.find_cached_prefix(request)
-        fits = bm.allocate_slots(request, request.num_tokens - len(prefix) * block_size, prefix)
-        cached.append(len(prefix) * block_size if fits else None)
-        request.num_computed_tokens = request.num_tokens if fits else 0
+        if not bm.allocate_slots(request, request.num_tokens - len(prefix) * block_size, prefix):
+            raise ValueError(f"a prompt of {request.num_tokens} tokens does not fit in {num_blocks} blocks")
+        cached.append(len(prefix) * block_size)
+        request.num_computed_tokens = request.num_tokens
         bm.free(request)
         request.num_computed_tokens = 0
     return cached
@@ -120,17 +121,17 @@ def report(entries: list[Entry], tokenizer, num_blocks: int | None, block_size: 
             row.update(diverges_at=at, diverges_in_block=at // block_size, closest_line=entries[closest[0]].line,
                        divergence_text=tokenizer.decode(ids[max(0, at - CONTEXT_TOKENS):at]) + "|"
                        + tokenizer.decode(ids[at:at + CONTEXT_TOKENS]))
-        if entry.message_ends is not None:
-            i = bisect.bisect_right(entry.message_ends, row["diverges_at"]) if closest else None
-            row["message_index"] = i if i is not None and i < len(entry.roles) else None
-            row["message_role"] = None if row["message_index"] is None else entry.roles[i]
+        if entry.message_ends is not None:  # past the last message's end lies the generation prompt
+            i = None if closest is None else bisect.bisect_right(entry.message_ends, closest[1])
+            in_message = i is not None and i < len(entry.roles)
+            row.update(message_index=i if in_message else None, message_role=entry.roles[i] if in_message else None)
         rows.append(row)
     return {"requests": rows, "summary": summarize(rows, requests, block_size)}
 
 
 def summarize(rows: list[dict], requests: list[Request], block_size: int) -> dict:
     prompt_tokens = sum(r["prompt_tokens"] for r in rows)
-    cached_tokens = sum(r["cached_tokens"] or 0 for r in rows)
+    cached_tokens = sum(r["cached_tokens"] for r in rows)
     places = Counter(f"messages[{r['message_index']}] ({r['message_role']})" for r in rows
                      if r.get("message_index") is not None)
     return {"requests": len(rows), "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
@@ -161,11 +162,11 @@ def prefix_groups(requests: list[Request], lines: list[int], block_size: int) ->
 def print_table(result: dict) -> None:
     print(f"{'line':>5} {'prompt':>7} {'cached':>7} {'diverges at':>12} {'from':>5}  {'message':<16} text around it")
     for r in result["requests"]:
-        cached = "-" if r["cached_tokens"] is None else r["cached_tokens"]
         where = "" if r["diverges_at"] is None else f"{r['diverges_at']} (b{r['diverges_in_block']})"
         message = f"[{r['message_index']}] {r['message_role']}" if r.get("message_index") is not None else ""
-        print(f"{r['line']:>5} {r['prompt_tokens']:>7} {cached:>7} {where:>12} {r['closest_line'] or '':>5}  "
-              f"{message:<16} {json.dumps(r['divergence_text']) if r['divergence_text'] else ''}".rstrip())
+        text = json.dumps(r["divergence_text"]) if r["divergence_text"] else ""
+        print(f"{r['line']:>5} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} {where:>12} "
+              f"{r['closest_line'] or '':>5}  {message:<16} {text}".rstrip())
     s = result["summary"]
     print(f"\n{s['requests']} requests: {s['cached_tokens']:,} of {s['prompt_tokens']:,} prompt tokens cached "
           f"({s['hit_rate']:.1%})")
@@ -185,7 +186,7 @@ def plot_hit_rate(entries: list[Entry], block_size: int, path: str) -> None:
     smallest, largest = max(blocks), sum(blocks)
     sizes = sorted({round(smallest * (largest / smallest) ** (i / 15)) for i in range(16)})
     total = sum(r.num_prompt_tokens for r in requests)
-    rates = [sum(c or 0 for c in replay(requests, n, block_size)) / total for n in sizes]
+    rates = [sum(replay(requests, n, block_size)) / total for n in sizes]
     axes = fig.subplots()
     axes.plot(sizes, rates, marker="o")
     axes.set(xscale="log", xlabel=f"KV cache size (blocks of {block_size} tokens)", ylabel="prefix-cache hit rate",
