@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanoengine.attention import resolve_backend
+from nanoengine.engine.block_manager import HASH_ALGOS
 from nanoengine.layers.linear import divide
 from nanoengine.sampling_params import check_number
 
@@ -32,6 +33,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on a GPU: the fraction of its memory the engine may use
     cpu_kvcache_space_gib: float = 4.0  # on the CPU: the KV cache's size in GiB
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxhash"  # the block hash: "xxhash" (64-bit xxh3) or "sha256"
     seed: int = 0
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap below the step budget
@@ -83,6 +85,9 @@ class EngineConfig:
                              f"({self.max_num_seqs}): every running request needs a token each step")
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(str(self.generation_config)):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_ALGOS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         self.attention_backend = resolve_backend(self.attention_backend, self.device)

@@ -52,16 +52,14 @@ class LLM:
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(c, chat_template=chat_template, tools=tools, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message,
-                                                 **(chat_template_kwargs or {}))
-                   for c in conversations]
-        # The template already holds any special tokens, so it is tokenized without adding more.
-        token_prompts = [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        rendered = [self.llm_engine.render_chat(c, chat_template=chat_template, tools=tools,
+                                                add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message,
+                                                **(chat_template_kwargs or {}))
+                    for c in conversations]
+        token_prompts = [{"prompt_token_ids": token_ids} for _, token_ids in rendered]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm, priority)
-        for output, prompt in zip(outputs, prompts):
+        for output, (prompt, _) in zip(outputs, rendered):
             output.prompt = prompt
         return outputs
 

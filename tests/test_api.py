@@ -32,6 +32,7 @@ def test_unknown_option_raises_type_error_naming_it(folder):
     ({"dtype": "float8"}, "dtype"), ({"device": "tpu"}, "device"), ({"max_model_len": 10**6}, "max_model_len"),
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"kvcache_block_size": 0}, "kvcache_block_size"),
     ({"num_kvcache_blocks": 0}, "num_kvcache_blocks"), ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ({"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
     ({"attention_backend": "flash"}, "attention_backend"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),

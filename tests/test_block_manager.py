@@ -2,15 +2,23 @@
 
 import pytest
 
-from nanoengine.engine.block_manager import BlockManager, hash_block
+from nanoengine.engine.block_manager import HASH_ALGOS, BlockManager, hash_block
 from nanoengine.engine.request import Request
 from nanoengine.sampling_params import SamplingParams
 
 BS = 4  # block size: small, so a few tokens fill blocks
 
 
-def make_request(tokens: list[int], salt: str | None = None, rid: str = "r") -> Request:
-    return Request(rid, None, list(tokens), SamplingParams(), arrival_time=0.0, cache_salt=salt)
+def make_request(tokens: list[int], salt: str | None = None, rid: str = "r", **params) -> Request:
+    return Request(rid, None, list(tokens), SamplingParams(**params), arrival_time=0.0, cache_salt=salt)
+
+
+@pytest.fixture
+def colliding(monkeypatch) -> BlockManager:
+    """A block manager whose hash is the length of what it hashes: every block 0 of a given size collides
+    with every other, and so does every later block."""
+    monkeypatch.setitem(HASH_ALGOS, "length", (len, 8))
+    return BlockManager(4, BS, hash_algo="length")
 
 
 def admit(bm: BlockManager, request: Request) -> int:
@@ -80,6 +88,34 @@ def test_hash_hit_with_different_tokens_is_rejected():
     bm.update_block_hashes(impostor)
     impostor.block_hashes[0] = a.block_hashes[0]  # a forged collision
     assert bm.find_cached_prefix(impostor) == []
+
+
+def test_colliding_hashes_never_share_a_block_across_salts(colliding):
+    alice, carol = make_request(list(range(5)), "alice", "a"), make_request(list(range(5)), "carol", "c")
+    admit(colliding, alice)
+    assert colliding.find_cached_prefix(carol) == []
+    assert carol.block_hashes == alice.block_hashes  # the same hash and tokens, but another salt
+
+
+def test_a_child_whose_parent_slot_was_reused_is_not_a_hit(colliding):
+    bm = colliding
+    owner = make_request([1, 2, 3, 4], rid="owner")
+    admit(bm, owner)  # block 0 holds [1, 2, 3, 4]
+    parent = bm.blocks[owner.block_ids[0]]
+    # A request that reads no cache computes its own copy of [1, 2, 3, 4], and names its next block as the
+    # child of the cached block that holds that prefix.
+    reader = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], rid="reader", prompt_logprobs=0)
+    admit(bm, reader)
+    child = bm.blocks[reader.block_ids[1]]
+    assert child.parent == parent.serial and bm.blocks[reader.block_ids[0]].block_hash is None
+    bm.free(owner)
+    other = make_request([11, 12, 13, 14], rid="other")  # a colliding prefix in the parent's old slot
+    admit(bm, other)
+    assert other.block_ids == [parent.block_id]
+    follower = make_request([11, 12, 13, 14, 5, 6, 7, 8, 9], rid="follower")
+    assert bm.find_cached_prefix(follower) == [parent]  # the child's tokens and hash match; its parent does not
+    equal = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], rid="equal")
+    assert bm.find_cached_prefix(equal) == []  # [1, 2, 3, 4] is no longer cached: nothing after it is found
 
 
 def test_freed_blocks_keep_their_prefix_until_reused_in_lru_order():
@@ -153,3 +189,13 @@ def test_reset_prefix_cache_forgets_every_hash():
     bm.reset_prefix_cache()
     assert bm.num_cached_free_blocks == 0
     assert admit(bm, make_request(list(range(9)), rid="b")) == 0
+
+
+def test_sha256_chains_like_the_default_hash():
+    bm = BlockManager(16, BS, hash_algo="sha256")
+    a, b = make_request(list(range(10)), rid="a"), make_request(list(range(10)) + [99], rid="b")
+    admit(bm, a)
+    assert admit(bm, b) == 8
+    first = hash_block(None, [1, 2, 3, 4], None, "sha256")
+    assert first.bit_length() > 64 and first != hash_block(None, [1, 2, 3, 4], None)
+    assert hash_block(first, [5, 6, 7, 8], None, "sha256") != hash_block(None, [5, 6, 7, 8], None, "sha256")

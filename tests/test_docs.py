@@ -1,4 +1,4 @@
-"""The docs cannot rot: the walkthrough's commands print every line it shows, and the README lists every option."""
+"""The docs cannot rot: the walkthrough's commands print every line it shows, and docs/api.md lists every option."""
 
 import os
 import re
@@ -11,7 +11,7 @@ from nanoengine.config import EngineConfig
 
 ROOT = Path(__file__).parents[1]
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
-README = ROOT / "README.md"
+API_REFERENCE = ROOT / "docs" / "api.md"
 
 
 def commands_and_shown_output(text: str) -> list[tuple[str, list[str]]]:
@@ -46,7 +46,7 @@ def test_every_walkthrough_command_prints_what_the_walkthrough_shows(smollm2_dir
         assert missing is None, f"the walkthrough shows a line that {command!r} no longer prints:\n{missing}"
 
 
-def test_the_readme_options_table_lists_every_engine_option():
+def test_the_api_reference_options_table_lists_every_engine_option():
     options = {f.name for f in fields(EngineConfig) if f.init} - {"model"}
-    listed = set(re.findall(r"^\| `(\w+)` \|", README.read_text(), re.M))
-    assert options <= listed, f"missing from the README's options table: {sorted(options - listed)}"
+    listed = set(re.findall(r"^\| `(\w+)` \|", API_REFERENCE.read_text(), re.M))
+    assert options <= listed, f"missing from docs/api.md's options table: {sorted(options - listed)}"

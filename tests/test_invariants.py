@@ -4,7 +4,8 @@ Hypothesis writes workloads: requests arriving between steps with prompts that s
 priorities and cache salts, random aborts, on engines whose tiny KV caches force preemption and whose small
 token budgets force chunked prefills. After every step the block bookkeeping and the step's schedule are
 checked; at the end every block must be free and every finished request must have produced exactly what it
-produces when it runs alone.
+produces when it runs alone. The same workloads run again with a block hash only two bits wide, so that hashes
+collide all the time: hits must stay exact.
 """
 
 import math
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.engine.block_manager import hash_block
+from nanoengine.engine.block_manager import HASH_ALGOS, hash_block
 
 ENGINES = {  # all with 4-token blocks and max_model_len 48, so prompt + max_tokens (at most 38) always fits
     "fcfs-tight-cache": dict(scheduling_policy="fcfs", num_kvcache_blocks=12, max_num_batched_tokens=10,
@@ -52,6 +53,15 @@ workloads = st.fixed_dictionaries({
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def two_bit_hash():
+    """A test-only hash algorithm: xxh3 cut to two bits, so most blocks share a hash with others."""
+    digest, width = HASH_ALGOS["xxhash"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(HASH_ALGOS, "two-bits", (lambda data: digest(data) & 0b11, width))
+        yield "two-bits"
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +120,7 @@ class Workload:
         self.prompts = {}
         self.aborted: set[str] = set()
         self.finished: dict[str, list[int]] = {}  # id -> output tokens
-        self.salt_of_named_block: dict[tuple[int, int], str | None] = {}
+        self.salt_of_named_block: dict[int, str | None] = {}  # block serial (one naming) -> its salt
         # (block id, offset) -> (salt, the tokens up to and including the one whose KV was written there)
         self.kv_written: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
 
@@ -169,7 +179,8 @@ class Workload:
             assert prefix[-size:] == block.token_ids
             chained = None
             for start in range(0, len(prefix), size):
-                chained = hash_block(chained, list(prefix[start:start + size]), salt)
+                chained = hash_block(chained, list(prefix[start:start + size]), salt,
+                                     self.engine.block_manager.hash_algo)
             assert chained == block_hash
 
     def check_outputs(self, outputs) -> None:
@@ -193,6 +204,9 @@ class Workload:
         salts = defaultdict(set)
         for request in scheduler.running:
             assert len(request.block_ids) == math.ceil(request.num_computed_tokens / bm.block_size)
+            for position in range(request.num_computed_tokens):  # its own salt and tokens wrote every slot it reads
+                written = self.kv_written.get((request.block_ids[position // bm.block_size], position % bm.block_size))
+                assert written == (request.cache_salt, tuple(request.all_token_ids[:position + 1]))
             for i, block_id in enumerate(request.block_ids):
                 salts[block_id].add(request.cache_salt)
                 self.check_named_block(request, i, bm.blocks[block_id])
@@ -205,7 +219,7 @@ class Workload:
             return
         size = self.engine.block_manager.block_size
         assert block.token_ids == tuple(request.all_token_ids[index * size:(index + 1) * size])
-        salt = self.salt_of_named_block.setdefault((block.block_id, block.block_hash), request.cache_salt)
+        salt = self.salt_of_named_block.setdefault(block.serial, request.cache_salt)
         assert salt == request.cache_salt
 
     def drain(self) -> None:
@@ -221,7 +235,23 @@ class Workload:
           suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads)
 def test_engine_invariants_under_random_workloads(engines, run_alone, engine_name, workload):
+    run_workload(engines[engine_name], run_alone, workload)
+
+
+@pytest.mark.parametrize("engine_name", ["fcfs-tight-cache", "priority-chunked"])
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads)
+def test_hits_stay_exact_when_block_hashes_collide(engines, run_alone, two_bit_hash, engine_name, workload):
     engine = engines[engine_name]
+    engine.block_manager.hash_algo = two_bit_hash
+    try:
+        run_workload(engine, run_alone, workload)
+    finally:
+        engine.block_manager.hash_algo = engine.config.prefix_caching_hash_algo
+
+
+def run_workload(engine, run_alone, workload: dict) -> None:
     engine.reset_prefix_cache()
     # A slot is read only after it is written: NaN anywhere else would show up in the outputs.
     engine.model_runner.kv_cache.fill_(float("nan"))

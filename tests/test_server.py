@@ -83,6 +83,15 @@ def test_streamed_completion_equals_non_streamed_with_a_final_usage_chunk(client
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
+    prompt = list(range(300, 340))  # two full blocks and 8 tokens, sent nowhere else
+    first = client.completions.create(model=None, prompt=prompt, max_tokens=1)
+    again = list(client.completions.create(model=None, prompt=prompt, max_tokens=1, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+
 def test_chat_stream_starts_with_the_role_and_equals_non_streamed(client):
     messages = [{"role": "user", "content": "Hi"}]
     whole = client.chat.completions.create(model=None, messages=messages, **GREEDY)

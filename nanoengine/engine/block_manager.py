@@ -1,45 +1,65 @@
 """The paged KV cache's bookkeeping: blocks, reference counts and the prefix cache.
 
 Every request holds a list of block ids (its block table). A *full* block is
-named by a chained hash: hash(parent block's hash, its token ids, and for
-block 0 the request's cache salt), so equal hashes mean equal prefixes. When a
-request finishes its blocks go back to a free queue in LRU order but keep
-their hash, so a later request with the same prefix can take them back (a
-prefix-cache hit) until they are handed out again and evicted.
+looked up by a chained hash: hash(parent block's hash, its token ids, and for
+block 0 the request's cache salt). When a request finishes its blocks go back
+to a free queue in LRU order but keep their name, so a later request with the
+same prefix can take them back (a prefix-cache hit) until they are handed out
+again and evicted.
+
+A hit is exact whatever the hash does: a named block also stores its own token
+ids and what it continues (the salt for block 0, else its parent's serial, a
+number no other naming of any block ever gets). A lookup walks from block 0 and
+takes block i only if its tokens match and its parent is the block it just took
+for i - 1, so by induction the salt and every token up to block i are the
+request's. A parent slot that was handed out again has a new serial, so the
+children it had before match nothing.
 """
 
+import hashlib
 from array import array
 from collections import OrderedDict
+from itertools import count
 
 import xxhash
 
 from nanoengine.engine.request import Request
 
 
+def sha256(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest(), "little")
+
+
+# prefix_caching_hash_algo's choices: a function of bytes to an int, and that int's width in bytes.
+HASH_ALGOS = {"xxhash": (xxhash.xxh3_64_intdigest, 8), "sha256": (sha256, 32)}
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "parent", "serial")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
+        self.block_hash: int | None = None  # set while the block is named in the prefix cache
+        self.token_ids: tuple[int, ...] | None = None  # the block's own tokens, compared on every hit
+        self.parent: str | int | None = None  # what it continues: block 0's salt, else its parent's serial
+        self.serial = -1  # this naming's number: no other naming of any block ever gets it
 
 
-def hash_block(parent_hash: int | None, token_ids: list[int], cache_salt: str | None) -> int:
-    h = xxhash.xxh3_64()
-    if parent_hash is None:  # block 0 carries the salt, and so every block after it does too
-        h.update(b"salt:" + (cache_salt or "").encode())
-    else:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
+def hash_block(parent_hash: int | None, token_ids: list[int], cache_salt: str | None, algo: str = "xxhash") -> int:
+    digest, width = HASH_ALGOS[algo]
+    # Block 0 carries the salt, and so every block after it does too.
+    head = b"salt:" + (cache_salt or "").encode() if parent_hash is None else parent_hash.to_bytes(width, "little")
+    return digest(head + array("q", token_ids).tobytes())
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "xxhash"):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self.serials = count()
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently freed first; an OrderedDict removes any of them in O(1) on a cache hit.
         self.free_blocks: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -61,30 +81,41 @@ class BlockManager:
         while (len(request.block_hashes) + 1) * size <= len(tokens):
             i = len(request.block_hashes)
             parent = request.block_hashes[-1] if i else None
-            request.block_hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt))
+            request.block_hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt,
+                                                   self.hash_algo))
 
     def reads_cache(self, request: Request) -> bool:
         """A request that asks for prompt logprobs computes its whole prompt, as in vLLM (it still fills the cache)."""
         return self.enable_prefix_caching and request.params.prompt_logprobs is None
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
-        """The longest run of cached blocks that matches the start of the request.
+        """The longest run of cached blocks that matches the start of the request, exactly.
 
-        The last token is never taken from the cache: it must be computed so
-        there are logits to sample the next token from.
+        At least the last prompt token is computed, so there are logits to sample from: a prompt that
+        ends on a block boundary recomputes its whole last block.
         """
         if not self.reads_cache(request):
             return []
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
+        hits, parent = [], request.cache_salt or ""
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.cached_blocks.get(block_hash)
-            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-            if block is None or block.token_ids != tuple(tokens):
+            block = self.cached_block(block_hash, parent, self.block_tokens(request, i))
+            if block is None:
                 break
             hits.append(block)
+            parent = block.serial
         return hits
+
+    def cached_block(self, block_hash: int, parent: str | int | None, token_ids: tuple[int, ...]) -> Block | None:
+        """The block named for exactly this prefix (its hash, its parent and its own tokens), if any."""
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.parent != parent or block.token_ids != token_ids:
+            return None
+        return block
+
+    def block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def record_lookup(self, request: Request, cached_prefix: list[Block]) -> None:
         """Count a scheduled request's prefix-cache lookup, in tokens as vLLM does."""
@@ -122,23 +153,27 @@ class BlockManager:
         """Drop the block's prefix from the cache."""
         if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
-        block.block_hash = block.token_ids = None
+        block.block_hash = block.token_ids = block.parent = None
 
     def register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Name the blocks that the first ``num_tokens`` tokens fill, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
         self.update_block_hashes(request)
-        size = self.block_size
-        num_full = min(num_tokens // size, len(request.block_hashes))
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        parent = request.registered_parent if request.num_registered_blocks else request.cache_salt or ""
         for i in range(request.num_registered_blocks, num_full):
-            block = self.blocks[request.block_ids[i]]
-            block_hash = request.block_hashes[i]
-            # Skip a block taken from the cache, or one whose prefix another block already holds.
-            if block.block_hash is None and block_hash not in self.cached_blocks:
-                block.block_hash = block_hash
-                block.token_ids = tuple(request.all_token_ids[i * size:(i + 1) * size])
-                self.cached_blocks[block_hash] = block
+            block, block_hash, tokens = self.blocks[request.block_ids[i]], request.block_hashes[i], \
+                self.block_tokens(request, i)
+            # This block itself after a hit, or an equal block that another request named first.
+            holder = self.cached_block(block_hash, parent, tokens)
+            if holder is None and parent is not None and block.block_hash is None \
+                    and block_hash not in self.cached_blocks:
+                block.block_hash, block.token_ids, block.parent = block_hash, tokens, parent
+                block.serial = next(self.serials)
+                self.cached_blocks[block_hash] = holder = block
+            # None once another prefix holds a hash of the chain: no lookup could reach what follows.
+            parent = request.registered_parent = None if holder is None else holder.serial
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def free(self, request: Request) -> None:
@@ -161,6 +196,5 @@ class BlockManager:
         request.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
-        for block in self.cached_blocks.values():
-            block.block_hash = block.token_ids = None
-        self.cached_blocks.clear()
+        for block in list(self.cached_blocks.values()):
+            self.evict(block)

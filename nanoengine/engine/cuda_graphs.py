@@ -4,8 +4,9 @@ A decode step runs a few hundred small kernels over a handful of tokens, so on a
 costs more than running them. For each batch size of a ladder (1, 2, 4, 8, then every 16 up to
 ``max_num_seqs``) the model's forward pass is captured once into a CUDA graph that reads fixed input
 buffers. A step whose requests all compute exactly one token copies its inputs into those buffers,
-pads them to the next captured size and replays that graph. Padding rows store no KV (slot -1),
-attend to one key of block 0 and are dropped from the output.
+pads them to the next captured size and replays that graph. Padding rows store no KV (slot -1) and
+attend to one key (seq_len 1) through whatever block ids an earlier, larger batch left in their table
+rows: stale but valid ids, read and then dropped from the output.
 
 Backends plan their launch grids from the metadata's host values, which a graph freezes at capture;
 so graphs are captured with every context at ``max_model_len`` (the worst case), and the kernels

@@ -29,7 +29,7 @@ class LLMEngine:
         self.init_request_checks(config)
         self.model_runner = start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config, self.block_manager)
         self.fit_max_model_len_to_kv_cache()
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -99,6 +99,12 @@ class LLMEngine:
             request.matcher = self.structured_output_manager().new_matcher(params.structured_outputs,
                                                                           request.stop_token_ids)
         return request
+
+    def render_chat(self, conversation: list[dict], **template_options) -> tuple[str, list[int]]:
+        """A conversation through the chat template: its text and token ids (the template holds any special
+        tokens, so none are added). ``template_options`` go to ``apply_chat_template``."""
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **template_options)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def structured_output_manager(self) -> StructuredOutputManager:
         if self.structured_outputs is None:

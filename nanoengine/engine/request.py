@@ -39,6 +39,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.registered_parent: int | None = None  # the serial of the block holding the last of those prefixes
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -6,7 +6,7 @@ to stderr. A block, logged after scheduling and before the model runs::
 
     step 7: 2 scheduled, 17 tokens | free blocks 3 (1 cached) | running [a, c] | waiting [b]
       decode  a  37+1/38   new blocks [9]
-      prefill c  16+16/40  new blocks [12]  cache hit 1 block (16 tokens): 3#5d1e0c
+      prefill c  16+16/40  new blocks [12]  cache hit 1 block(s) (16 tokens): 3#5d1e0c
       preempted b
 
 ``37+1/38``: 37 tokens already had K/V in the cache, 1 is computed now, of 38 known tokens. A request
@@ -65,16 +65,21 @@ def ids(requests: list[Request]) -> str:
     return "[" + ", ".join(r.request_id for r in requests) + "]"
 
 
-def plot_step_history(history: list[tuple[int, int, float]], path: str) -> None:
-    """Running and waiting requests and KV-cache usage after each step, as a PNG at ``path``."""
+def new_figure(what: str, **options):
+    """A matplotlib Figure (the ``plot`` extra), or an ImportError that says how to install it."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
     except ImportError as e:
-        raise ImportError("plotting the step history needs matplotlib: pip install 'nanoengine[plot]'") from e
+        raise ImportError(f"plotting {what} needs matplotlib: pip install 'nanoengine[plot]'") from e
+    return Figure(layout="constrained", **options)
+
+
+def plot_step_history(history: list[tuple[int, int, float]], path: str) -> None:
+    """Running and waiting requests and KV-cache usage after each step, as a PNG at ``path``."""
+    fig = new_figure("the step history", figsize=(8, 5))
+    from matplotlib.ticker import MaxNLocator
     steps = range(1, len(history) + 1)
     running, waiting, usage = zip(*history) if history else ((), (), ())
-    fig = Figure(figsize=(8, 5), layout="constrained")
     queues, kv = fig.subplots(2, 1, sharex=True)
     queues.step(steps, running, where="post", label="running")
     queues.step(steps, waiting, where="post", label="waiting")

@@ -88,14 +88,11 @@ class OpenAIServer:
                                  request.arrival_time, request.cache_salt)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tokenizer = self.validator.tokenizer
         try:
-            text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt)
+            return self.validator.render_chat([m.for_template() for m in body.messages],
+                                              add_generation_prompt=body.add_generation_prompt)[1]
         except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
             raise APIError(400, str(error), "messages") from error
-        # The template already holds any special tokens, so it is tokenized without adding more.
-        return tokenizer.encode(text, add_special_tokens=False)
 
     async def outputs(self, request: EngineCoreRequest):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
@@ -132,12 +129,12 @@ class OpenAIServer:
         choice = make_choice(chat, False, text, output.outputs[0].finish_reason,
                              format_logprobs(chat, token_ids, logprobs, request.params.logprobs))
         return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage(len(request.prompt_token_ids), len(token_ids))}
+                "usage": usage(len(request.prompt_token_ids), len(token_ids), output.num_cached_tokens)}
 
     async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if include_usage else {}
-        num_tokens = 0
+        num_tokens = num_cached_tokens = 0
         try:
             if chat:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -145,11 +142,13 @@ class OpenAIServer:
             async for output in self.outputs(request):
                 completion = output.outputs[0]
                 num_tokens += len(completion.token_ids)
+                num_cached_tokens = output.num_cached_tokens
                 logprobs = format_logprobs(chat, completion.token_ids, completion.logprobs, request.params.logprobs)
                 choice = make_choice(chat, True, completion.text, completion.finish_reason, logprobs)
                 yield sse_event({**base, "choices": [choice], **extra})
             if include_usage:
-                yield sse_event({**base, "choices": [], "usage": usage(len(request.prompt_token_ids), num_tokens)})
+                yield sse_event({**base, "choices": [],
+                                 "usage": usage(len(request.prompt_token_ids), num_tokens, num_cached_tokens)})
         except APIError as error:
             yield sse_event(error.body())
         yield "data: [DONE]\n\n"
@@ -228,9 +227,11 @@ def format_logprobs(chat: bool, token_ids: list[int], logprobs: list | None, num
             "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage, with the prompt tokens found in the prefix cache where vLLM reports them."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse_event(payload: dict) -> str:

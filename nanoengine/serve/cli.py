@@ -19,6 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
+from nanoengine import prefix_report
 from nanoengine.config import EngineConfig
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
@@ -104,7 +105,9 @@ def serve(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "serve":
-        print("usage: nanoengine serve [MODEL] [--port N] [options]  (see nanoengine serve --help)", file=sys.stderr)
+    commands = {"serve": serve, "prefix-report": prefix_report.main}
+    if not argv or argv[0] not in commands:
+        print("usage: nanoengine serve [MODEL] [--port N] [options]  (see nanoengine serve --help)\n"
+              "       nanoengine prefix-report REQUESTS.jsonl [--model DIR] [options]", file=sys.stderr)
         return 2
-    return serve(argv[1:])
+    return commands[argv[0]](argv[1:])
