@@ -27,12 +27,19 @@ def check_against_transformers(hf_model, prompt: list[int], prompt_logprobs, num
     assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
     for row, token_id, entry in zip(reference, prompt[1:], prompt_logprobs[1:]):
         assert entry[token_id].logprob == pytest.approx(row[token_id].item(), abs=1e-4)
-        assert entry[token_id].rank == int((row >= row[token_id]).sum())
+        assert entry[token_id].rank in ranks_within_a_near_tie(row, row[token_id].item())
         top_values, top_ids = row.topk(num_top)
         assert set(entry) == set(top_ids.tolist()) | {token_id}
         for rank, (value, tid) in enumerate(zip(top_values.tolist(), top_ids.tolist()), start=1):
             assert entry[tid].logprob == pytest.approx(value, abs=1e-4)
             assert entry[tid].rank == rank
+
+
+def ranks_within_a_near_tie(row: torch.Tensor, logprob: float, tie: float = 1e-5) -> range:
+    """The rank transformers gives, or any other that a token of ``row`` closer than ``tie`` to ``logprob`` can
+    cause: float32 sums taken in another order (the C++ RMSNorm) move logprobs by about 1e-6, and deep in the
+    tail, among 49,152 tokens, one can sit that close to another."""
+    return range(int((row > logprob + tie).sum()) + 1, int((row >= logprob - tie).sum()) + 1)
 
 
 @pytest.fixture(scope="module")
