@@ -5,6 +5,7 @@ on its seed and the token's index only); unseeded sampling is checked in distrib
 that a wrong acceptance rule fails.
 """
 
+import argparse
 import math
 import re
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from nanoengine import LLM, RequestOutputKind, SamplingParams
+from nanoengine import LLM, EngineArgs, RequestOutputKind, SamplingParams
 from nanoengine.config import SpeculativeConfig
 from nanoengine.engine import model_runner as model_runner_module
 from nanoengine.engine import spec_decode
@@ -103,11 +104,15 @@ def test_lookup_bounds_default_as_in_vllm():
         SpeculativeConfig(3, 2, 2)
 
 
-def test_serve_takes_the_config_as_json():
+def test_serve_and_engine_args_take_the_config_as_json():
     args = build_parser().parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert engine_options(args) == {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--speculative-config", "{not json"])
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "m", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert EngineArgs.from_cli_args(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
 
 
 # The proposer, the rejection rule and the draft length, alone --------------------------------------------
