@@ -1,27 +1,20 @@
 """The spec preset: n-gram speculative decoding on a grounded chat workload, and on random tokens.
 
 Grounded: chat requests that repeat, quote or copy an excerpt of their prompt (600 characters of the
-Python reference manual's text, which ships with Python in pydoc_data), 200 greedy tokens each, at 1, 4
-and 16 requests at once, each level with fresh excerpts. Ours runs without and with speculation, vLLM
-(``--compare vllm``) without and with its n-gram method, all in the workload's dtype. Then the cpu
-preset's random-token workload runs without and with speculation: what adaptation costs where nothing
-matches.
+Python reference manual's text, which ships with Python in pydoc_data), 200 greedy tokens each (EOS
+ignored, so every engine emits the same count), at 1, 4 and 16 requests at once, each level with fresh
+excerpts (each engine runs in an LLM or process of its own, so no run finds another's prompts cached).
+Ours runs without and with speculation, vLLM (``--compare vllm``) without and with its n-gram method,
+all in the workload's dtype. Then the cpu preset's random-token workload runs without and with
+speculation: what adaptation costs where nothing matches.
 """
 
 import time
 
 from transformers import AutoTokenizer
 
-from benchmarks.common import (
-    Throughput,
-    Workload,
-    device_name,
-    make_requests,
-    model_for,
-    on_gpu,
-    preset_workload,
-    run_ours,
-)
+from benchmarks import common
+from benchmarks.common import Throughput, Workload
 from benchmarks.peers import run_vllm
 from nanoengine import LLM, EngineStats, SamplingParams
 
@@ -49,26 +42,27 @@ def grounded_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def spec_preset(args) -> dict:
-    return run_spec(model_for(args), preset_workload("cpu", args.dtype).dtype, "vllm" in args.compare)
+    return run_spec(common.model_for(args), common.preset_workload("cpu", args.dtype).dtype, "vllm" in args.compare)
 
 
 def run_spec(model: str, dtype: str, with_vllm: bool, concurrency=CONCURRENCY, output_tokens=OUTPUT_TOKENS,
              random_workload: Workload | None = None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
-    batches = split(grounded_prompts(AutoTokenizer.from_pretrained(model), 2 * sum(concurrency)), concurrency)
+    prompts = grounded_prompts(AutoTokenizer.from_pretrained(model), sum(concurrency))
+    starts = [sum(concurrency[:i]) for i in range(len(concurrency))]
+    batches = [prompts[start:start + level] for start, level in zip(starts, concurrency)]
     rows = [{"concurrency": level} for level in concurrency]
-    for name, spec, which in (("nanoengine", None, 0), ("nanoengine + ngram", NGRAM, 1)):
+    for name, spec in (("nanoengine", None), ("nanoengine + ngram", NGRAM)):
         with LLM(model, dtype=dtype, max_model_len=MAX_MODEL_LEN, speculative_config=spec) as llm:
-            llm.generate([batches[0][0][0][:32]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+            llm.generate([prompts[0][:32]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
             for row, batch in zip(rows, batches):
                 before = llm.stats()
-                row[name] = timed(llm, batch[which], params, name, row["concurrency"]).tokens_per_s
+                row[name] = timed(llm, batch, params, name, row["concurrency"]).tokens_per_s
                 if spec:
                     row.update(acceptance(before, llm.stats()))
     if with_vllm:
         workload = Workload(0, (0, 0), (0, 0), 0.0, dtype, MAX_MODEL_LEN)
-        for name, spec, which in (("vLLM", None, 0), ("vLLM + ngram", NGRAM, 1)):
-            prompts = [p for batch in batches for p in batch[which]]
+        for name, spec in (("vLLM", None), ("vLLM + ngram", NGRAM)):
             runs = run_vllm(model, dtype, workload, prompts, [output_tokens] * len(prompts), list(concurrency), spec)
             for row, run in zip(rows, runs):
                 row[name] = run.announce().tokens_per_s
@@ -76,8 +70,9 @@ def run_spec(model: str, dtype: str, with_vllm: bool, concurrency=CONCURRENCY, o
                     row["ours_over_vllm_ngram"] = row["nanoengine + ngram"] / row[name]
     for row in rows:
         row["spec_speedup"] = row["nanoengine + ngram"] / row["nanoengine"]
-    return {"preset": "spec", "model": model, "device": device_name("cuda" if on_gpu() else "cpu"), "dtype": dtype,
-            "speculative_config": NGRAM, "grounded": rows, "random": random_tokens(model, dtype, random_workload)}
+    device = common.device_name("cuda" if common.on_gpu() else "cpu")
+    return {"preset": "spec", "model": model, "device": device, "dtype": dtype, "speculative_config": NGRAM,
+            "grounded": rows, "random": random_tokens(model, dtype, random_workload)}
 
 
 def acceptance(before: EngineStats, after: EngineStats) -> dict:
@@ -86,15 +81,6 @@ def acceptance(before: EngineStats, after: EngineStats) -> dict:
     accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     return {"ours_acceptance_rate": accepted / max(drafted, 1),
             "ours_mean_acceptance_length": 1 + accepted / max(drafts, 1)}
-
-
-def split(prompts: list[list[int]], concurrency) -> list[tuple[list, list]]:
-    """Per level, two disjoint sets of prompts (without, with speculation): no run finds another's prompts cached."""
-    batches, start = [], 0
-    for level in concurrency:
-        batches.append((prompts[start:start + level], prompts[start + level:start + 2 * level]))
-        start += 2 * level
-    return batches
 
 
 def timed(llm: LLM, prompts, params, name: str, level: int) -> Throughput:
@@ -106,15 +92,15 @@ def timed(llm: LLM, prompts, params, name: str, level: int) -> Throughput:
 
 def random_tokens(model: str, dtype: str, workload: Workload | None = None) -> dict:
     """The cpu preset's requests without and with speculation, alternated twice (the best of each counts)."""
-    workload = workload or preset_workload("cpu", dtype)
-    prompts, params = make_requests(workload)
+    workload = workload or common.preset_workload("cpu", dtype)
+    prompts, params = common.make_requests(workload)
     best = {}
     with LLM(model, dtype=dtype, max_model_len=workload.max_model_len) as plain, \
             LLM(model, dtype=dtype, max_model_len=workload.max_model_len, speculative_config=NGRAM) as spec:
         for _ in range(2):
             for name, llm in (("nanoengine", plain), ("nanoengine + ngram", spec)):
                 llm.reset_prefix_cache()
-                run = run_ours(llm, prompts, params)[0]
+                run = common.run_ours(llm, prompts, params)[0]
                 print(f"bench: random tokens, {name}: {run.tokens_per_s:,.1f} tok/s", flush=True)
                 best[name] = max(best.get(name, 0.0), run.tokens_per_s)
         stats = spec.stats()
