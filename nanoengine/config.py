@@ -38,6 +38,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
+    max_logprobs: int = 20  # the most logprobs (or prompt_logprobs) a request may ask for, as in vLLM
     trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
     generation_config: str = "auto"  # sampling defaults from: "auto" the model, "vllm" none, or a folder
     speculative_config: dict | None = None  # {"method": "ngram", ...}: see SpeculativeConfig
@@ -71,6 +72,7 @@ class EngineConfig:
             check_number(name, getattr(self, name), int, low=1)
         check_number("long_prefill_token_threshold", self.long_prefill_token_threshold, int, low=0)
         check_number("seed", self.seed, int)
+        check_number("max_logprobs", self.max_logprobs, int, low=0)
         if self.num_kvcache_blocks is not None:
             check_number("num_kvcache_blocks", self.num_kvcache_blocks, int, low=1)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, (int, float), low=0, high=1)

@@ -1,5 +1,7 @@
 """The one-call API: options, prompt forms, validation that leaves the engine untouched, stats."""
 
+import math
+
 import pytest
 from conftest import build_tiny_model
 
@@ -57,10 +59,22 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     ({"max_tokens": 1.5}, "max_tokens"), ({"seed": "x"}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": 1}, "ignore_eos"), ({"n": 0}, "n"), ({"logprobs": -1}, "logprobs"),
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"stop": [""]}, "stop"),
+    # What a JSON body can smuggle in: non-finite floats, ints beyond int64, a temperature that overflows.
+    ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"), ({"min_p": math.nan}, "min_p"), ({"top_p": math.nan}, "top_p"),
+    ({"presence_penalty": math.nan}, "presence_penalty"), ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+    ({"repetition_penalty": math.nan}, "repetition_penalty"), ({"top_k": 2**63}, "top_k"),
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"max_tokens": 2**64}, "max_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
-    with pytest.raises((ValueError, TypeError), match=field):
+    with pytest.raises((ValueError, TypeError), match=field) as raised:
         SamplingParams(**kwargs)
+    assert raised.value.param == field  # what the server's 400 reports as "param"
+
+
+def test_the_int64_extremes_and_the_smallest_temperature_are_accepted():
+    SamplingParams(seed=2**63 - 1, top_k=2**63 - 1, temperature=0.01)
+    SamplingParams(seed=-2**63)
 
 
 def test_unknown_sampling_param_raises():

@@ -455,6 +455,9 @@ def test_stats_track_kv_usage_and_queues(llm):
     ({"prompt": [5] * 200}, ValueError, "max_model_len"),
     ({"request_id": 7}, TypeError, "request_id"),
     ({"request_id": "steady"}, ValueError, "steady"),
+    ({"params": SamplingParams(logprobs=21)}, ValueError, "max_logprobs"),
+    ({"prompt": {"prompt": "caf\ud800", "cache_salt": "a"}}, ValueError, "prompt is not valid Unicode"),
+    ({"prompt": {"prompt_token_ids": PROMPT, "cache_salt": "\ud800"}}, ValueError, "cache_salt is not valid Unicode"),
 ])
 def test_bad_request_raises_and_running_requests_are_untouched(llm, hf_model, bad, error, field):
     engine = llm.llm_engine
@@ -472,3 +475,29 @@ def test_bad_request_raises_and_running_requests_are_untouched(llm, hf_model, ba
     assert not engine.scheduler.waiting
     steps += run_steps(engine)
     assert outputs_by_id(steps)["steady"][-1].outputs[0].token_ids == hf_greedy(hf_model, PROMPT, 6)
+
+
+def overflowing_top_k(request) -> None:
+    request.params.top_k = 2**70  # fails building the sampling tensors
+
+
+def a_token_that_is_no_int(request) -> None:
+    request.all_token_ids[3] = "3"  # fails building the input ids, before the forward pass
+
+
+@pytest.mark.parametrize("corrupt", [overflowing_top_k, a_token_that_is_no_int])
+def test_a_request_that_fails_inside_a_step_ends_alone_with_an_error(llm, hf_model, corrupt):
+    """The last line of defence, for a request that slipped past validation: the step isolates it."""
+    engine = llm.llm_engine
+    engine.add_request("before", PROMPT, greedy(6))
+    engine.step()
+    bad = engine.make_request("bad", OTHER_PROMPTS[0], greedy(4))
+    engine.enqueue(bad)
+    corrupt(bad)
+    engine.add_request("after", OTHER_PROMPTS[1], greedy(5))
+    by_id = outputs_by_id(run_steps(engine))
+    assert [o.outputs[0].finish_reason for o in by_id["bad"]] == ["error"]
+    assert by_id["bad"][0].outputs[0].token_ids == []
+    assert by_id["before"][-1].outputs[0].token_ids == hf_greedy(hf_model, PROMPT, 6)
+    assert by_id["after"][-1].outputs[0].token_ids == hf_greedy(hf_model, OTHER_PROMPTS[1], 5)
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks) and not engine.requests

@@ -108,15 +108,16 @@ def test_logprobs_in_openai_shapes(client):
 
 
 BAD_REQUESTS = [
-    ("completions", {"prompt": "hi", "temperature": -1}, None, "temperature"),
+    ("completions", {"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
     ("completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
-    ("completions", {"prompt": "hi", "n": 2}, None, "n=1"),
-    ("completions", {"prompt": "word " * MAX_MODEL_LEN}, None, "max_model_len"),
+    ("completions", {"prompt": "hi", "n": 2}, "n", "n=1"),
+    ("completions", {"prompt": "word " * MAX_MODEL_LEN}, "prompt", "max_model_len"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, "model", "not served"),
-    ("completions", {"prompt": [10**9]}, None, "vocabulary"),
-    ("completions", {"prompt": "hi", "structured_outputs": {"jsn": {}}}, None, "jsn"),
+    ("completions", {"prompt": [10**9]}, "prompt", "vocabulary"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"jsn": {}}}, "structured_outputs", "jsn"),
     ("chat/completions", {"messages": []}, "messages", "at least 1"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs",
+     "logprobs"),
 ]
 
 
@@ -267,12 +268,17 @@ def test_killing_the_engine_core_fails_requests_and_exits_nonzero_leaving_no_pro
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
 
 
-def test_the_engine_core_exits_when_the_front_process_dies(sharp_tiny_model):
+def test_the_engine_core_exits_when_the_front_process_dies_and_removes_its_sockets(sharp_tiny_model, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the front makes its socket folder
     with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (server, url):
         family = descendants(server.pid)
+        [socket_dir] = tmp_path.glob("nanoengine-*")
+        assert {p.name for p in socket_dir.iterdir()} == {"in", "out"}
         server.kill()
         server.wait()
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
+    assert not socket_dir.exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -425,3 +425,22 @@ def test_drafts_stop_where_they_keep_failing(folder, monkeypatch):
     _, stats, _ = generate(folder, PROMPTS, params, speculative_config=SPEC)
     assert stats.spec_num_accepted_tokens == 0
     assert 0 < stats.spec_num_draft_tokens < 0.1 * len(PROMPTS) * 120, stats
+
+
+def test_a_request_that_fails_in_a_drafted_step_ends_alone(folder, monkeypatch):
+    plain = generate(folder, PROMPTS[:2], GREEDY)[0]
+    oracle_drafts(monkeypatch, PROMPTS[:2], plain)
+    with LLM(folder, speculative_config=SPEC, **ENGINE) as llm:
+        engine = llm.llm_engine
+        for i, prompt in enumerate(PROMPTS[:2]):  # params of their own: one is broken below
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        outputs = engine.step() + engine.step()
+        assert all(r.spec_token_ids for r in engine.requests.values())  # the next step verifies drafts
+        engine.requests["1"].params.top_k = 2**70  # fails building the sampling tensors
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        stats = llm.stats()
+    final = {o.request_id: o.outputs[0] for o in outputs if o.finished}
+    assert final["1"].finish_reason == "error"
+    assert final["0"].token_ids == plain[0].outputs[0].token_ids
+    assert stats.num_free_blocks == stats.num_kvcache_blocks and stats.spec_num_accepted_tokens > 0

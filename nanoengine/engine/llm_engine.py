@@ -1,5 +1,6 @@
 """The engine loop: requests go in with add_request, each step() runs one batch and says what changed."""
 
+import logging
 import time
 import warnings
 from collections import deque
@@ -18,8 +19,9 @@ from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutput
 from nanoengine.engine.tp_worker import start_model_runner
 from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
-from nanoengine.sampling_params import RequestOutputKind, SamplingParams
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams, check_number, check_text, field_error
 
+logger = logging.getLogger("nanoengine")
 STEP_HISTORY = 10_000  # steps whose (running, waiting, kv usage) the stats keep
 
 
@@ -84,10 +86,9 @@ class LLMEngine:
         arrival_time = time.time() if arrival_time is None else arrival_time  # wall clock, as vLLM users pass
         if params.n > 1:
             return self.make_parent_request(request_id, prompt, params, priority, arrival_time)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        check_number("priority", priority, int)
         if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (it is "
+            raise field_error("priority", f"priority={priority} needs scheduling_policy='priority' (it is "
                              f"{self.config.scheduling_policy!r})")
         self.check_params_fit_vocab(params)
         text, token_ids, cache_salt = self.parse_prompt(prompt)
@@ -122,47 +123,46 @@ class LLMEngine:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"unknown prompt field(s): {sorted(unknown)}")
+                raise field_error("prompt", f"unknown prompt field(s): {sorted(unknown)}")
             if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-                raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+                raise field_error("prompt", "a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
             cache_salt = prompt.get("cache_salt")
-            if cache_salt is not None and not isinstance(cache_salt, str):
-                raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-            if not isinstance(prompt.get("prompt", ""), str):
-                raise TypeError(f"prompt must be a str, got {type(prompt['prompt']).__name__}")
-            if not isinstance(prompt.get("prompt_token_ids", []), list | tuple):
-                raise TypeError(f"prompt_token_ids must be a list of ints, got "
-                                f"{type(prompt['prompt_token_ids']).__name__}")
+            if cache_salt is not None:
+                check_text("cache_salt", cache_salt)
+            if "prompt" in prompt:
+                check_text("prompt", prompt["prompt"])
+            elif not isinstance(prompt["prompt_token_ids"], list | tuple):
+                raise field_error("prompt_token_ids", f"prompt_token_ids must be a list of ints, got "
+                                                      f"{type(prompt['prompt_token_ids']).__name__}", TypeError)
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt), cache_salt
         if isinstance(prompt, list | tuple):
             return None, list(prompt), cache_salt
-        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        check_text("prompt", prompt)
+        if not prompt:
+            raise field_error("prompt", "prompt is empty")
+        return prompt, self.tokenizer.encode(prompt), cache_salt
 
     def check_in_vocab(self, field: str, token_ids: list[int]) -> None:
         vocab_size = self.config.hf_config.vocab_size
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"{field} has {len(bad)} id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            raise field_error(field, f"{field} has {len(bad)} id(s) outside the vocabulary [0, {vocab_size}): "
+                                     f"{bad[:5]}")
 
     def check_params_fit_vocab(self, params: SamplingParams) -> None:
         """Ids the sampler indexes with must exist, or the step would fail for the whole batch."""
-        vocab_size = self.config.hf_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             num_top = getattr(params, name)
-            if num_top is not None and num_top > vocab_size:
-                raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {num_top}")
+            if num_top is not None:
+                check_number(name, num_top, int, high=self.config.max_logprobs, why="the engine's max_logprobs")
         self.check_in_vocab("stop_token_ids", params.stop_token_ids)
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
+            raise field_error("prompt_token_ids", "prompt_token_ids is empty")
         self.check_in_vocab("prompt_token_ids", token_ids)
         if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens, which leaves no room to generate within "
+            raise field_error("prompt", f"prompt is {len(token_ids)} tokens, which leaves no room to generate within "
                              f"max_model_len={self.config.max_model_len}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
@@ -214,7 +214,12 @@ class LLMEngine:
             return held
         if self.trace is not None:
             self.trace.log(scheduled)
-        result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
+        try:
+            result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
+        except Exception as error:
+            result, failed = self.execute_one_by_one(scheduled, error)
+            for request in failed:
+                self.emit(request, held, time.time())
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
         self.record_prompt_logprobs(result)
@@ -225,6 +230,33 @@ class LLMEngine:
         usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
         self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
         return outputs
+
+    def execute_one_by_one(self, scheduled: SchedulerOutput, error: Exception) -> tuple[StepResult, list[Request]]:
+        """After a failed step, run each request alone: the ones that fail again end with an error, alone.
+
+        No request has advanced yet, and a rerun writes the same KV slots again, so each rerun is a plain step of
+        its one request. A tensor-parallel step that fails has stopped its workers: there is nothing to rerun on."""
+        if self.model_runner.workers is not None:
+            raise error
+        merged, failed = StepResult([], [], [], []), []  # logprobs: its rows, or None, per request
+        for request, num_new, drafts in list(zip(scheduled.requests, scheduled.num_new_tokens, scheduled.drafts)):
+            alone = SchedulerOutput([request], [num_new], drafts=[drafts])
+            try:
+                result = self.model_runner.execute(alone, self.grammar_bitmask(alone))
+            except Exception as own_error:
+                logger.exception("request %s failed in a step and ends with an error", request.request_id)
+                scheduled.remove(request)
+                self.scheduler.finish(request, "error", f"{type(own_error).__name__}: {own_error}")
+                failed.append(request)
+                continue
+            merged.requests += result.requests
+            merged.token_ids += result.token_ids
+            merged.num_drafts += result.num_drafts
+            merged.prompt_logprobs += result.prompt_logprobs
+            merged.logprobs += result.logprobs or [None] * len(result.requests)
+        if not any(merged.logprobs):
+            merged.logprobs = None
+        return merged, failed
 
     def grammar_bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask | None:
         if self.structured_outputs is None:
@@ -247,22 +279,27 @@ class LLMEngine:
         now = time.time()
         outputs = []
         for i, (request, run) in enumerate(zip(result.requests, result.token_ids)):
+            logprobs_rows = None if result.logprobs is None else result.logprobs[i]
             for j, token_id in enumerate(run):
                 request.num_computed_tokens += j > 0  # the draft before this token was accepted
-                self.append_token(request, token_id, now, None if result.logprobs is None else result.logprobs[i][j])
+                self.append_token(request, token_id, now, logprobs_rows[j] if logprobs_rows else None)
                 if request.is_finished:
                     break
             if result.num_drafts[i]:
                 self.record_verification(request, result.num_drafts[i], len(run) - 1)
-            output = self.make_output(request)
-            if output is not None and request.parent is not None:
-                output = self.gather_child_output(request, output)
-            if output is not None:
-                outputs.append(output)
-            if request.is_finished:
-                request.metrics.finished_time = now
-                self.forget(request)
+            self.emit(request, outputs, now)
         return outputs
+
+    def emit(self, request: Request, outputs: list[RequestOutput], now: float) -> None:
+        """Add the request's output, if it has one to give now; a finished request is then forgotten."""
+        output = self.make_output(request)
+        if output is not None and request.parent is not None:
+            output = self.gather_child_output(request, output)
+        if output is not None:
+            outputs.append(output)
+        if request.is_finished:
+            request.metrics.finished_time = now
+            self.forget(request)
 
     def append_token(self, request: Request, token_id: int, now: float, logprobs_row: tuple | None) -> None:
         request.append_output_token(token_id)

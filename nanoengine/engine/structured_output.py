@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from nanoengine.sampling_params import StructuredOutputsParams
+from nanoengine.sampling_params import StructuredOutputsParams, field_error
 
 
 @dataclass
@@ -63,8 +63,8 @@ class StructuredOutputManager:
                 return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
             return self.compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as error:
-            raise ValueError(f"structured_outputs.{kind} could not be compiled: {without_source_location(error)}") \
-                from None
+            raise field_error("structured_outputs", f"structured_outputs.{kind} could not be compiled: "
+                                                    f"{without_source_location(error)}") from None
 
     def new_matcher(self, params: StructuredOutputsParams, stop_token_ids: set[int]) -> xgr.GrammarMatcher:
         """A matcher that ends the output with one of the request's stop tokens (EOS when it has none)."""

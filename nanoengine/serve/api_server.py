@@ -2,7 +2,10 @@
 
 Each request is tokenized (chat template included) and fully validated here, by the engine's own
 ``make_request`` run against a tokenizer and the config without the model, so a bad request is a
-400 that never reaches the engine core. Accepted requests stream DELTA outputs back: the engine
+400 that never reaches the engine core. That work (tokenizing, templating, compiling a grammar) runs
+in a worker thread, so that a long prompt never holds up /health or another client's stream; a body
+over ``max_request_bytes`` is refused with 413 before it is read whole. Every error, FastAPI's own
+404 and 405 included, has OpenAI's body. Accepted requests stream DELTA outputs back: the engine
 core detokenizes, because it already must to find stop strings.
 """
 
@@ -16,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.exceptions import HTTPException
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
@@ -59,19 +63,39 @@ class OpenAIServer:
         self.shutting_down = True
         self.client.fail_all(EngineUnavailableError("the server is shutting down"))
 
-    def engine_request(self, body: GenerationRequest, prompt, prefix: str) -> EngineCoreRequest:
+    def engine_request(self, body: GenerationRequest) -> EngineCoreRequest:
+        """The request validated and tokenized (slow for a long prompt: called in a worker thread)."""
         if self.client.dead or self.shutting_down:
             raise engine_gone(self.client.dead or "the server is shutting down")
         if body.model is not None and body.model not in self.model_names:
             raise APIError(400, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_names[0]!r})", "model")
+        chat = isinstance(body, ChatCompletionRequest)
+        if chat:
+            prompt = {"prompt_token_ids": self.chat_prompt(body), "cache_salt": body.cache_salt}
+        else:
+            prompt = {"prompt_token_ids" if isinstance(body.prompt, list) else "prompt": body.prompt,
+                      "cache_salt": body.cache_salt}
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             params = body.to_sampling_params(self.generation_defaults)
-            request = self.validator.make_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params, body.priority)
+            request = self.validator.make_request(request_id, prompt, params, body.priority)
         except (ValueError, TypeError) as error:
-            raise APIError(400, str(error)) from error
+            engine_field = getattr(error, "param", None)
+            param = request_field(body, engine_field)
+            raise APIError(400, str(error) if param == engine_field else f"{param}: {error}", param) from error
         return EngineCoreRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
                                  request.arrival_time, request.cache_salt)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.validator.tokenizer
+        try:
+            text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
+                                                 add_generation_prompt=body.add_generation_prompt)
+        except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
+            raise APIError(400, str(error), "messages") from error
+        # The template already holds any special tokens, so it is tokenized without adding more.
+        return tokenizer.encode(text, add_special_tokens=False)
 
     async def outputs(self, request: EngineCoreRequest):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
@@ -131,6 +155,54 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
+def request_field(body: GenerationRequest, engine_field: str | None) -> str | None:
+    """The body's name for an engine field that a check named."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if engine_field == "max_tokens" and chat and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if engine_field in ("prompt", "prompt_token_ids"):
+        return "messages" if chat else "prompt"
+    if engine_field == "logprobs" and chat:
+        return "top_logprobs"
+    if engine_field == "structured_outputs" and body.structured_outputs is None:
+        return "response_format"
+    return engine_field
+
+
+def validation_error_param(error: dict) -> str:
+    """A pydantic error's location as a dotted field path, without the union members it tried."""
+    return ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or p.isidentifier())
+
+
+def most_specific(errors: list[dict]) -> dict:
+    """Of a field's errors (one per member of a union type), the one that went deepest into the value."""
+    return max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused (413) before more of it is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = int(dict(scope["headers"]).get(b"content-length", 0))
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if max(declared, received) > self.limit:
+                raise HTTPException(413, f"the request body exceeds the server's limit of {self.limit} bytes "
+                                         f"(--max-request-bytes)")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def make_choice(chat: bool, streamed: bool, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     """The one choice of a whole reply, or of a chunk of a streamed one."""
     if not chat:
@@ -165,8 +237,9 @@ def sse_event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
+def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int) -> FastAPI:
     app = FastAPI(title="nanoengine")
+    app.add_middleware(BodySizeLimit, limit=max_request_bytes)
 
     def check_api_key(request: Request) -> None:
         given = request.headers.get("authorization", "")
@@ -183,21 +256,11 @@ def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, http: Request):
-        prompt = {"prompt_token_ids" if isinstance(body.prompt, list) else "prompt": body.prompt,
-                  "cache_salt": body.cache_salt}
-        return await server.respond(body, server.engine_request(body, prompt, "cmpl"), False, http)
+        return await server.respond(body, await asyncio.to_thread(server.engine_request, body), False, http)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        tokenizer = server.validator.tokenizer
-        try:
-            text = tokenizer.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt)
-        except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
-            raise APIError(400, str(error), "messages") from error
-        # The template already holds any special tokens, so it is tokenized without adding more.
-        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "cache_salt": body.cache_salt}
-        return await server.respond(body, server.engine_request(body, prompt, "chatcmpl"), True, http)
+        return await server.respond(body, await asyncio.to_thread(server.engine_request, body), True, http)
 
     app.include_router(v1)
 
@@ -215,8 +278,21 @@ def create_app(server: OpenAIServer, api_key: str | None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, error: RequestValidationError):
-        first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body")
-        return JSONResponse(APIError(400, f"{param}: {first['msg']}", param).body(), status_code=400)
+        errors = error.errors()
+        if errors[0]["type"] == "json_invalid":
+            return JSONResponse(APIError(400, f"the body is not valid JSON: {errors[0]['ctx']['error']}").body(),
+                                status_code=400)
+        first_field = validation_error_param(errors[0]).split(".")[0]
+        worst = most_specific([e for e in errors if validation_error_param(e).split(".")[0] == first_field])
+        param = validation_error_param(worst) or None
+        message = worst["msg"].removeprefix("Value error, ")
+        return JSONResponse(APIError(400, f"{param}: {message}" if param else message, param).body(),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, error: HTTPException):  # 404, 405, 413, a body that could not be parsed
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(error.status_code, str(error.detail), kind=kind).body(),
+                            status_code=error.status_code, headers=error.headers)
 
     return app

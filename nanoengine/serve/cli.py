@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY"),
                         help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
+    parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                        help="refuse (413) a request body larger than this (default: 4 MiB)")
     add_engine_flags(parser)
     return parser
 
@@ -75,8 +77,8 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         validator = RequestValidator(config)
         validator.config.max_model_len = (await client.start()).max_model_len
         server = OpenAIServer(client, validator, [name, config.model], metrics)
-        http = HTTPServer(uvicorn.Config(create_app(server, args.api_key), host=args.host, port=args.port,
-                                         timeout_graceful_shutdown=STOP_TIMEOUT_S))
+        app = create_app(server, args.api_key, args.max_request_bytes)
+        http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S))
 
         def on_signal():
             server.stop()

@@ -9,6 +9,7 @@ front can sweep it and its tensor-parallel workers with one signal if it is kill
 
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     finally:
         engine.close()
         context.destroy(linger=0)
+        if not multiprocessing.parent_process().is_alive():  # a killed front leaves its socket folder behind
+            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")), ignore_errors=True)
 
 
 def serve_forever(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, parent_sentinel: int) -> None:
@@ -79,7 +82,7 @@ def serve_forever(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, pa
 
 
 def handle(engine: LLMEngine, message: EngineCoreRequest | list[str]) -> dict[str, str]:
-    """Queue a request or abort a list of ids; a request the engine refuses is reported, not raised."""
+    """Queue a request or abort a list of ids; a request the engine refuses is reported, never raised."""
     if isinstance(message, list):
         engine.abort_request(message)
         return {}
@@ -87,6 +90,6 @@ def handle(engine: LLMEngine, message: EngineCoreRequest | list[str]) -> dict[st
     try:
         engine.enqueue(engine.make_request(message.request_id, prompt, message.params, message.priority,
                                            message.arrival_time))
-    except (ValueError, TypeError) as error:
+    except Exception as error:  # the front validated it already: whatever fails now fails this request only
         return {message.request_id: str(error)}
     return {}

@@ -1,28 +1,70 @@
 """The OpenAI request bodies (pydantic) and their mapping onto SamplingParams.
 
-Fields the server does not know are ignored, as vLLM and OpenAI clients expect; a known field with a
-bad type or value is a 400 naming it. The values themselves are checked by SamplingParams and
-LLMEngine.make_request, the same checks the offline LLM runs.
+Fields the server does not know are ignored, as vLLM and OpenAI clients expect. A known field is
+checked strictly at this boundary: its JSON type (no "16" for 16, no true for 1), finite floats,
+ints that fit the int64 tensors they feed, text that encodes as UTF-8, and JSON values nested at
+most MAX_JSON_DEPTH deep. What the values mean is checked by SamplingParams and
+LLMEngine.make_request, the checks the offline LLM runs. Every error names its field.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from nanoengine.config import GENERATION_DEFAULTS
-from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from nanoengine.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    field_error,
+)
+
+MAX_JSON_DEPTH = 32  # a deeper schema is refused: compiling and pickling it grow with its depth
 
 
-class StreamOptions(BaseModel):
+def utf8(text: str) -> str:
+    text.encode()  # a lone surrogate raises UnicodeEncodeError, a ValueError that pydantic reports for the field
+    return text
+
+
+def shallow_json(value: Any) -> Any:
+    """``value`` if it nests at most MAX_JSON_DEPTH deep and its strings (keys too) encode as UTF-8."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((part, depth + 1) for pair in item.items() for part in pair)
+        elif isinstance(item, list):
+            stack.extend((part, depth + 1) for part in item)
+        elif isinstance(item, str):
+            utf8(item)
+    return value
+
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[str, AfterValidator(utf8)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(shallow_json)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    name: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
+class JsonSchemaFormat(Body):
+    name: Text | None = None
+    json_schema: JsonObject = Field(alias="schema")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -31,40 +73,39 @@ class ResponseFormat(BaseModel):
 SAMPLING_FIELDS = tuple(name for name in GENERATION_DEFAULTS if name != "max_new_tokens")
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(Body):
     """What /v1/completions and /v1/chat/completions share (OpenAI's fields, then vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    n: int = 1
+    model: Text | None = None
+    max_tokens: Int64 | None = None
+    n: Int64 = 1
     # The sampling fields are None when the request leaves them out: the model's generation_config fills
     # those (as in vLLM's server), and SamplingParams' own defaults fill the rest.
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Int64 | None = None
+    min_p: Finite | None = None
+    repetition_penalty: Finite | None = None
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
-    cache_salt: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    priority: Int64 = 0
+    cache_salt: Text | None = None
+    structured_outputs: JsonObject | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """``defaults``: the model's generation_config values (``LLMEngine.config.default_sampling_params()``)."""
         if self.n != 1:
-            raise ValueError(f"only n=1 is served (one choice per request), got n={self.n}")
+            raise field_error("n", f"only n=1 is served (one choice per request), got n={self.n}")
         given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
         sampling = {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS} | given
         return SamplingParams(
@@ -76,41 +117,50 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    prompt: Text | list[Int64]
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions
+    logprobs: Int64 | None = None
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. "name": passed on to the chat template
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class TextPart(Body):
+    type: Literal["text"]  # the chat templates here take text only
+    text: Text
+
+
+class ChatMessage(Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # e.g. "name": passed on to the chat template
+    role: Text
+    content: Text | list[TextPart]
+
+    @model_validator(mode="after")
+    def shallow_extra_fields(self) -> "ChatMessage":
+        shallow_json(self.model_extra)
+        return self
 
     def for_template(self) -> dict:
-        """Text parts joined into one string: the chat templates here take text only."""
-        message = self.model_dump(exclude_none=True)
+        """Text parts joined into one string."""
+        message = self.model_dump()
         if isinstance(self.content, list):
-            if any(part.get("type") != "text" for part in self.content):
-                raise ValueError("messages: only text content parts are supported")
-            message["content"] = "".join(part.get("text", "") for part in self.content)
+            message["content"] = "".join(part.text for part in self.content)
         return message
 
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise field_error("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs, defaults)
+        max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 def structured_outputs_params(response_format: ResponseFormat | None,
@@ -118,12 +168,15 @@ def structured_outputs_params(response_format: ResponseFormat | None,
     """OpenAI's response_format, or vLLM's structured_outputs ({json, regex, choice, grammar}), as engine params."""
     if structured_outputs is not None:
         if response_format is not None and response_format.type != "text":
-            raise ValueError("give either response_format or structured_outputs, not both")
-        return StructuredOutputsParams(**structured_outputs)  # an unknown key is a TypeError naming it
+            raise field_error("structured_outputs", "give either response_format or structured_outputs, not both")
+        try:
+            return StructuredOutputsParams(**structured_outputs)
+        except TypeError as error:  # an unknown key
+            raise field_error("structured_outputs", f"structured_outputs: {error}", TypeError) from None
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if response_format.json_schema is None:
-        raise ValueError("response_format of type json_schema needs a json_schema field")
+        raise field_error("response_format", "response_format of type json_schema needs a json_schema field")
     return StructuredOutputsParams(json=response_format.json_schema.json_schema)
