@@ -13,6 +13,9 @@ CASES = {
     "mixed": [(37, 1), (32, 20), (0, 23), (47, 1), (0, 32), (0, 1)],
     # Decodes of spread lengths (partial and full last blocks, a single token) and one prompt.
     "many-decodes": [(n, 1) for n in (3, 90, 17, 200, 64, 5, 33, 129, 48, 1, 250)] + [(0, 40)],
+    # Decodes with speculative drafts (2 to 8 query rows, each row a decode of its own), a short whole prompt,
+    # and one row past the kernel's limit.
+    "drafts": [(37, 5), (15, 2), (60, 8), (0, 3), (31, 1), (20, 9)],
 }
 
 

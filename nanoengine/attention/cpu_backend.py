@@ -1,10 +1,12 @@
 """Paged attention tuned for the CPU: the contract of ``torch_backend``, faster.
 
 - Decodes (one query row per request) go to a small C++ kernel, ``cpu_decode.cpp``, that reads each K and
-  V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. It is compiled for this
+  V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. So do requests with a
+  few query rows (a decode and its speculative drafts): each row is a decode of its own, over the context
+  up to its position. It is compiled for this
   machine on first use (about 30 s, then cached); without a C++ compiler the decodes take the path below,
   one SDPA call per request: correct, but several times slower (most in bfloat16).
-- A request with several query rows goes to SDPA's flash kernel (causal when it is a whole prompt).
+- A request with more query rows goes to SDPA's flash kernel (causal when it is a whole prompt).
 
 Each ``CpuBackend`` plans the decode batch once per step (every layer gets the same metadata object), so
 two engines in one process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
@@ -34,6 +36,7 @@ KERNEL_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # compiler vectorize the dot products and exp (glibc's vector exp needs all of it, finite math included).
 # -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.
 KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+KERNEL_MAX_QUERY_ROWS = 8  # a request with this many query rows or fewer goes to the kernel, row by row
 
 
 def load_decode_kernel() -> ModuleType | None:
@@ -58,9 +61,9 @@ def load_decode_kernel() -> ModuleType | None:
 
 @dataclass
 class DecodePlan:
-    rows: torch.Tensor          # [num_decodes] int64: each decoding request's query row
-    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    seq_lens: torch.Tensor      # [num_decodes] int32
+    rows: torch.Tensor          # [num_rows] int64: the query rows the kernel attends
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32: each row's request's block table
+    seq_lens: torch.Tensor      # [num_rows] int32: the context each row sees (up to its own position)
 
 
 class CpuBackend:
@@ -82,7 +85,7 @@ class CpuBackend:
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             query_len = starts[i + 1] - starts[i]
-            if query_len > 1 or plan is None:
+            if query_len > KERNEL_MAX_QUERY_ROWS or plan is None:
                 rows = slice(starts[i], starts[i + 1])
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
@@ -90,15 +93,21 @@ class CpuBackend:
         return out
 
     def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
-        """The requests with one query row, for the kernel; None where there are none or no kernel."""
+        """The query rows of requests with few of them, each with its request and the context it sees, for the
+        kernel; None where there are none or no kernel."""
         if self.planned[0] is not meta:
             starts = meta.query_start_loc_cpu
-            decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+            rows, owners, seq_lens = [], [], []
+            for i, seq_len in enumerate(meta.seq_lens_cpu):
+                query_len = starts[i + 1] - starts[i]
+                if query_len <= KERNEL_MAX_QUERY_ROWS:
+                    rows += range(starts[i], starts[i + 1])
+                    owners += [i] * query_len
+                    seq_lens += range(seq_len - query_len + 1, seq_len + 1)
             plan = None
-            if decodes and self.decode_kernel is not None:
-                index = torch.tensor(decodes)
-                plan = DecodePlan(torch.tensor([starts[i] for i in decodes]),
-                                  meta.block_tables[index].contiguous(), meta.seq_lens[index].contiguous())
+            if rows and self.decode_kernel is not None:
+                plan = DecodePlan(torch.tensor(rows), meta.block_tables[torch.tensor(owners)].contiguous(),
+                                  torch.tensor(seq_lens, dtype=torch.int32))
             self.planned = (meta, plan)
         return self.planned[1]
 
