@@ -117,6 +117,9 @@ def run_vllm(model: str, dtype: str, workload: Workload, prompts, max_tokens, ba
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="4",
                OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
+    intel_openmp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
+    if intel_openmp.is_file():  # vLLM's CPU guide preloads it (speculative decoding warns without it)
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(intel_openmp), env.get("LD_PRELOAD")]))
     done = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER)], input=json.dumps(work), env=env, text=True,
                           stdout=subprocess.PIPE, check=True)
     results = json.loads(next(line for line in done.stdout.splitlines() if line.startswith(VLLM_RESULT_PREFIX))
