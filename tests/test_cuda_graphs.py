@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from bench import byte_level_tokenizer
+from benchmarks.common import byte_level_tokenizer
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, padded_batch_size
 from nanoengine.engine.model_runner import StepInputs
