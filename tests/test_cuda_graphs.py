@@ -49,9 +49,9 @@ def prefill_then_decode_step(runner, context_lens: list[int]) -> StepInputs:
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(contexts))]
     ids = [str(i) for i in range(len(contexts))]
     runner.forward(StepInputs(ids, contexts, [0] * len(contexts), tables, [True] * len(contexts),
-                              [(0, 0)] * len(contexts)))
+                              [(0, 0)] * len(contexts), [0] * len(contexts)))
     return StepInputs(ids, [[rng.randrange(512)] for _ in contexts], context_lens, tables, [True] * len(contexts),
-                      [(0, 0)] * len(contexts))
+                      [(0, 0)] * len(contexts), [0] * len(contexts))
 
 
 @torch.inference_mode()
