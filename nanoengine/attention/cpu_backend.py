@@ -97,17 +97,19 @@ class CpuBackend:
         kernel; None where there are none or no kernel."""
         if self.planned[0] is not meta:
             starts = meta.query_start_loc_cpu
-            rows, owners, seq_lens = [], [], []
-            for i, seq_len in enumerate(meta.seq_lens_cpu):
+            rows, owners, rows_after = [], [], []  # rows_after: the owner's query rows after this one
+            for i in range(meta.num_seqs):
                 query_len = starts[i + 1] - starts[i]
                 if query_len <= KERNEL_MAX_QUERY_ROWS:
                     rows += range(starts[i], starts[i + 1])
                     owners += [i] * query_len
-                    seq_lens += range(seq_len - query_len + 1, seq_len + 1)
+                    rows_after += range(query_len - 1, -1, -1)
             plan = None
             if rows and self.decode_kernel is not None:
-                plan = DecodePlan(torch.tensor(rows), meta.block_tables[torch.tensor(owners)].contiguous(),
-                                  torch.tensor(seq_lens, dtype=torch.int32))
+                # The device lengths, not the host ones: a CUDA-graph-style padded step sets only the former.
+                index = torch.tensor(owners)
+                plan = DecodePlan(torch.tensor(rows), meta.block_tables[index].contiguous(),
+                                  meta.seq_lens[index] - torch.tensor(rows_after, dtype=torch.int32))
             self.planned = (meta, plan)
         return self.planned[1]
 
