@@ -235,7 +235,7 @@ class ModelRunner:
             seq_lens=self.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             block_tables=self.to_device(block_table),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, num_drafts=inputs.num_drafts)
         for (first, count), start, row0 in zip(inputs.prompt_rows, inputs.starts, query_start_loc):
             logit_rows.extend(range(row0 + first - start, row0 + first - start + count))
         return (self.to_device(torch.tensor(input_ids)), self.to_device(positions), meta,
