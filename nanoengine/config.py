@@ -43,7 +43,9 @@ class EngineConfig:
     max_logprobs: int = 20  # the most logprobs (or prompt_logprobs) a request may ask for, as in vLLM
     trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
     generation_config: str = "auto"  # sampling defaults from: "auto" the model, "vllm" none, or a folder
+    speculative_config: dict | None = None  # {"method": "ngram", ...}: see SpeculativeConfig
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    speculative: "SpeculativeConfig | None" = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
     @classmethod
@@ -92,6 +94,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
         self.check_tensor_parallel()
+        self.speculative = None if self.speculative_config is None else SpeculativeConfig.of(self.speculative_config)
 
     def default_sampling_params(self) -> dict:
         """The sampling fields that generation_config.json sets, with max_new_tokens named max_tokens."""
@@ -156,3 +159,38 @@ class EngineConfig:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({limit})")
         return self.max_model_len
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's n-gram (prompt lookup) speculation: propose up to ``num_speculative_tokens`` tokens that followed
+    the latest ``prompt_lookup_min``..``prompt_lookup_max``-gram earlier in the request's own tokens."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def of(cls, options) -> "SpeculativeConfig":
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(options).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if options.get("method") != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram' (the only method here), "
+                             f"got {options.get('method')!r}")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        # As vLLM: with neither bound given both are 5; with one given the other equals it.
+        high = options.get("prompt_lookup_max", options.get("prompt_lookup_min", 5))
+        low = options.get("prompt_lookup_min", high)
+        values = {"num_speculative_tokens": options["num_speculative_tokens"], "prompt_lookup_max": high,
+                  "prompt_lookup_min": low}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        return cls(**values)

@@ -64,12 +64,26 @@ class EngineStats:
     num_preemptions: int
     num_running: int
     num_waiting: int
+    # Speculative decoding, as vLLM counts it: verified drafts (one per request and step), their tokens,
+    # and the tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # Per step, oldest first: (num_running, num_waiting, kv_cache_usage) after each step.
     step_history: list[tuple[int, int, float]] = field(default_factory=list, repr=False)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens emitted per drafted request and step: the accepted drafts and the token sampled after them."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_cache_usage(self) -> float:

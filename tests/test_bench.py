@@ -1,4 +1,4 @@
-"""bench.py's helpers and presets, on a tiny model (a smoke test: no timing is checked)."""
+"""bench.py's helpers and presets (benchmarks/), on a tiny model (a smoke test: no timing is checked)."""
 
 import json
 import random
@@ -7,12 +7,14 @@ import pytest
 from conftest import build_tiny_model
 
 import bench
-from bench import Hardware, ModelShape, Workload
+from benchmarks import common, latency, peers
+from benchmarks.common import Workload
+from benchmarks.roofline import Hardware, ModelShape, roofline
 
 
 def test_requests_follow_nano_vllm_recipe():
     workload = Workload(5, (3, 9), (2, 7), 0.6, "float32", 64)
-    prompts, params = bench.make_requests(workload)
+    prompts, params = common.make_requests(workload)
     random.seed(0)
     expected = [[random.randint(0, 10000) for _ in range(random.randint(3, 9))] for _ in range(5)]
     expected_max_tokens = [random.randint(2, 7) for _ in range(5)]
@@ -36,7 +38,7 @@ def test_flops_and_bytes_counted_by_hand():
 def test_roofline_takes_the_larger_bound_per_step():
     prefill, decode = [(3, 3, True)], [(1, 4, True)]
     hw = Hardware(matmul_flops=SHAPE.step_flops(prefill), read_bytes=SHAPE.step_bytes(decode, 4))
-    floor = bench.roofline(SHAPE, [prefill, decode], 4, hw)
+    floor = roofline(SHAPE, [prefill, decode], 4, hw)
     # The prefill step takes 1 s of compute; the decode step 1 s of memory; neither sum alone is the floor.
     assert floor.floor_s == pytest.approx(2.0)
     assert floor.compute_s < 2.0 and floor.memory_s < 2.0 and floor.compute_s > 1.0 and floor.memory_s > 1.0
@@ -54,7 +56,7 @@ def test_throughput_against_transformers_prints_a_table(tiny_qwen3, capsys):
     report = bench.run_throughput("cpu", workload, tiny_qwen3, peers={"hf"})
     names = [run["name"] for run in report["runs"]]
     assert names[:2] == ["nanoengine", "transformers generate"]
-    _, params = bench.make_requests(workload)
+    _, params = common.make_requests(workload)
     assert report["runs"][0]["output_tokens"] == sum(p.max_tokens for p in params)
     assert all(run["output_tokens"] == report["runs"][0]["output_tokens"] for run in report["runs"])
     assert 0 < report["ours_percent_of_roofline"] < 100
@@ -66,10 +68,10 @@ def test_throughput_against_transformers_prints_a_table(tiny_qwen3, capsys):
 
 
 def test_prefix_and_chunked_presets_report_their_figures(tiny_qwen3):
-    prefix = bench.run_prefix(tiny_qwen3, num_requests=4, shared_len=48, suffix_len=8)
+    prefix = latency.run_prefix(tiny_qwen3, num_requests=4, shared_len=48, suffix_len=8)
     assert prefix["hit_rate_caching_on"] > 0 and prefix["hit_rate_caching_off"] == 0
     assert prefix["mean_ttft_ms_caching_on"] > 0
-    chunked = bench.run_chunked(tiny_qwen3, num_decoders=2, long_len=64, threshold=16)
+    chunked = latency.run_chunked(tiny_qwen3, num_decoders=2, long_len=64, threshold=16)
     for key in ("itl_p50_ms_threshold_off", "itl_p99_ms_threshold_on", "long_prompt_ttft_ms_threshold_on"):
         assert chunked[key] > 0
     json.dumps([prefix, chunked])
@@ -78,7 +80,7 @@ def test_prefix_and_chunked_presets_report_their_figures(tiny_qwen3):
 def test_structured_preset_constrains_every_request_without_ending_any_early(tiny_qwen3):
     workload = Workload(3, (8, 24), (2, 6), 0.0, "float32", 128)
     report = bench.run_structured(workload, tiny_qwen3)
-    _, params = bench.make_requests(workload)
+    _, params = common.make_requests(workload)
     assert report["output_tokens_each"] == sum(p.max_tokens for p in params)
     assert report["compile_ms_per_schema"] > 0 and report["json_schema_tok_s"] > 0
     json.dumps(report)
@@ -92,17 +94,32 @@ def test_compare_takes_a_list_of_known_peers():
 
 
 def test_vllm_peer_without_its_environment_says_how_to_make_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "VLLM_PYTHON", tmp_path / "missing" / "bin" / "python")
+    monkeypatch.setattr(peers, "VLLM_PYTHON", tmp_path / "missing" / "bin" / "python")
     with pytest.raises(FileNotFoundError, match="make bench-vllm"):
-        bench.compare_vllm("model", bench.WORKLOADS["cpu"], [[1, 2]], [3])
+        peers.compare_vllm("model", common.WORKLOADS["cpu"], [[1, 2]], [3])
 
 
 def test_vllm_peer_result_is_found_among_vllms_own_log_lines(monkeypatch, tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\ncat > /dev/null\necho 'INFO loading'\n"
-                           f"echo '{bench.VLLM_RESULT_PREFIX}{{\"output_tokens\": 7, \"seconds\": 0.5}}'\n"
+                           f"echo '{peers.VLLM_RESULT_PREFIX}[{{\"output_tokens\": 7, \"seconds\": 0.5}}]'\n"
                            "echo 'WARNING [shutdown] force killing'\n")
     fake_python.chmod(0o755)
-    monkeypatch.setattr(bench, "VLLM_PYTHON", fake_python)
-    run = bench.run_vllm("model", "bfloat16", bench.WORKLOADS["cpu"], [[1, 2]], [7])
+    monkeypatch.setattr(peers, "VLLM_PYTHON", fake_python)
+    run, = peers.run_vllm("model", "bfloat16", common.WORKLOADS["cpu"], [[1, 2]], [7])
     assert (run.name, run.useful_tokens, run.seconds) == ("vLLM bfloat16", 7, 0.5)
+
+
+def test_spec_preset_reports_both_runs_per_level_and_the_random_workload(tiny_qwen3, capsys):
+    from benchmarks.spec import run_spec
+
+    report = run_spec(tiny_qwen3, "float32", with_vllm=False, concurrency=(1, 2), output_tokens=12,
+                      random_workload=Workload(3, (8, 24), (2, 6), 0.0, "float32", 128))
+    assert [row["concurrency"] for row in report["grounded"]] == [1, 2]
+    for row in report["grounded"]:
+        assert row["nanoengine"] > 0 and row["nanoengine + ngram"] > 0 and row["spec_speedup"] > 0
+        assert 0 <= row["ours_acceptance_rate"] <= 1 and row["ours_mean_acceptance_length"] >= 1
+    assert report["random"]["plain_tok_s"] > 0 and report["random"]["spec_tok_s"] > 0
+    bench.print_table(report)
+    assert "random tokens" in capsys.readouterr().out
+    json.dumps(report)

@@ -13,7 +13,11 @@ CASES = {
     "mixed": [(37, 1), (32, 20), (0, 23), (47, 1), (0, 32), (0, 1)],
     # Decodes of spread lengths (partial and full last blocks, a single token) and one prompt.
     "many-decodes": [(n, 1) for n in (3, 90, 17, 200, 64, 5, 33, 129, 48, 1, 250)] + [(0, 40)],
+    # Decodes with speculative drafts (2 to 8 query rows, each row a decode of its own), a short prompt chunk,
+    # and a drafted decode past the kernel's limit.
+    "drafts": [(37, 5), (15, 2), (60, 8), (9, 3), (31, 1), (20, 9)],
 }
+NUM_DRAFTS = {"drafts": [4, 1, 7, 0, 0, 8]}  # per request of the case: how many of its query rows are drafts
 
 
 def poison_unowned_slots(step) -> None:
@@ -39,17 +43,18 @@ def decode_kernel():
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_backend_matches_the_oracle(case, group, head_dim, dtype, decode_kernel):
-    check_against_oracle(CASES[case], group, head_dim, dtype, decode_kernel)
+    check_against_oracle(CASES[case], group, head_dim, dtype, decode_kernel, NUM_DRAFTS.get(case))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_without_a_compiler_decodes_take_sdpa_and_match_the_oracle(case, dtype):
-    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel=None)
+    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel=None, num_drafts=NUM_DRAFTS.get(case))
 
 
-def check_against_oracle(requests, group, head_dim, dtype, decode_kernel):
+def check_against_oracle(requests, group, head_dim, dtype, decode_kernel, num_drafts=None):
     step = make_step(requests, group, head_dim, dtype, "cpu", seed=group + head_dim)
+    step.meta.num_drafts = num_drafts
     poison_unowned_slots(step)
     scale = 64 ** -0.5
     expected_k, expected_v = step.k_cache.float(), step.v_cache.float()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from bench import byte_level_tokenizer
+from benchmarks.common import byte_level_tokenizer
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.cuda_graphs import DecodeBuffers, graph_batch_sizes, padded_batch_size
 from nanoengine.engine.model_runner import StepInputs
@@ -49,9 +49,9 @@ def prefill_then_decode_step(runner, context_lens: list[int]) -> StepInputs:
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(contexts))]
     ids = [str(i) for i in range(len(contexts))]
     runner.forward(StepInputs(ids, contexts, [0] * len(contexts), tables, [True] * len(contexts),
-                              [(0, 0)] * len(contexts)))
+                              [(0, 0)] * len(contexts), [0] * len(contexts)))
     return StepInputs(ids, [[rng.randrange(512)] for _ in contexts], context_lens, tables, [True] * len(contexts),
-                      [(0, 0)] * len(contexts))
+                      [(0, 0)] * len(contexts), [0] * len(contexts))
 
 
 @torch.inference_mode()

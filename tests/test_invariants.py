@@ -1,11 +1,11 @@
 """Property-based tests of the scheduler and the block manager together, driven through the engine API.
 
-Hypothesis writes workloads: requests arriving between steps with prompts that share random prefixes, random
-priorities and cache salts, random aborts, on engines whose tiny KV caches force preemption and whose small
-token budgets force chunked prefills. After every step the block bookkeeping and the step's schedule are
-checked; at the end every block must be free and every finished request must have produced exactly what it
-produces when it runs alone. The same workloads run again with a block hash only two bits wide, so that hashes
-collide all the time: hits must stay exact.
+Hypothesis writes workloads: requests arriving between steps with prompts that share random prefixes (and may
+repeat them, for n-gram drafts), random priorities and cache salts, random aborts, on engines whose tiny KV
+caches force preemption and whose small token budgets force chunked prefills; one of them drafts. After every
+step the block bookkeeping and the step's schedule are checked; at the end every block must be free and every
+finished request must have produced exactly what it produces when it runs alone. The same workloads run again
+with a block hash only two bits wide, so that hashes collide all the time: hits must stay exact.
 """
 
 import math
@@ -26,6 +26,9 @@ ENGINES = {  # all with 4-token blocks and max_model_len 48, so prompt + max_tok
                              max_num_seqs=4, long_prefill_token_threshold=5),
     "fcfs-no-prefix-cache": dict(scheduling_policy="fcfs", num_kvcache_blocks=12, max_num_batched_tokens=12,
                                  max_num_seqs=4, enable_prefix_caching=False),
+    "fcfs-speculative": dict(scheduling_policy="fcfs", num_kvcache_blocks=12, max_num_batched_tokens=10,
+                             max_num_seqs=3, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
 }
 COMMON = dict(kvcache_block_size=4, max_model_len=48)
 SALTS = (None, "tenant-a", "tenant-b")
@@ -35,6 +38,7 @@ tokens = st.integers(min_value=100, max_value=40000)
 arrivals = st.fixed_dictionaries({
     "prefix": st.integers(min_value=0, max_value=2),
     "suffix": st.lists(tokens, min_size=1, max_size=12),
+    "echo": st.booleans(),  # the suffix repeats the prefix's start instead
     "priority": st.integers(min_value=0, max_value=3),
     "salt": st.sampled_from(SALTS),
     "max_tokens": st.integers(min_value=1, max_value=8),
@@ -65,13 +69,18 @@ def two_bit_hash():
 
 
 @pytest.fixture(scope="module")
-def engines(sharp_tiny_model):
+def engines(sharp_tiny_model, run_alone):
     llms = {name: LLM(sharp_tiny_model[0], **COMMON, **options) for name, options in ENGINES.items()}
     for llm in llms.values():
         record_schedules(llm.llm_engine)
+        if llm.config.speculative is not None:
+            draft_from_alone(llm.llm_engine, run_alone)
     yield {name: llm.llm_engine for name, llm in llms.items()}
     for llm in llms.values():
+        stats = llm.stats()
         llm.close()
+        if llm.config.speculative is not None:  # the workloads did accept and reject drafts
+            assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, stats
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +100,34 @@ def run_alone(sharp_tiny_model):
 
 def record_schedules(engine) -> None:
     """Keep the latest step's SchedulerOutput on the engine, with what each scheduled request held then:
-    (request, num_computed_tokens, num_new_tokens, block ids)."""
+    (request, num_computed_tokens, num_new_tokens, block ids, its tokens and drafts), and the running queue."""
     schedule = engine.scheduler.schedule
 
     def recording_schedule():
         out = engine.last_schedule = schedule()
-        engine.last_schedule_state = [(r, r.num_computed_tokens, n, list(r.block_ids))
-                                      for r, n in zip(out.requests, out.num_new_tokens)]
+        engine.last_running = list(engine.scheduler.running)
+        engine.last_schedule_state = [(r, r.num_computed_tokens, n, list(r.block_ids), r.all_token_ids + d)
+                                      for r, n, d in zip(out.requests, out.num_new_tokens, out.drafts)]
         return out
 
     engine.scheduler.schedule = recording_schedule
+
+
+def draft_from_alone(engine, alone) -> None:
+    """The sharp model never repeats itself, so n-gram drafts are almost always rejected: on every other step
+    a request drafts its own continuation instead (its output alone), every third draft wrong."""
+    propose = engine.propose_drafts
+
+    def proposing(requests):
+        propose(requests)
+        for r in requests:
+            done = r.num_output_tokens
+            if not r.is_finished and done % 2 == 0:
+                room = min(r.max_tokens - done, COMMON["max_model_len"] - r.num_tokens) - 1
+                drafts = alone(r.prompt_token_ids, r.params)[done:done + min(3, room)]
+                r.spec_token_ids = [t + 1 if (done + i) % 3 == 2 else t for i, t in enumerate(drafts)]
+
+    engine.propose_drafts = proposing
 
 
 def params_for(arrival: dict) -> SamplingParams:
@@ -126,7 +153,8 @@ class Workload:
 
     def add(self, arrival: dict, prefixes: list[list[int]]) -> None:
         rid = f"req-{next(request_ids)}"
-        prompt = prefixes[arrival["prefix"]] + arrival["suffix"]
+        prefix, suffix = prefixes[arrival["prefix"]], arrival["suffix"]
+        prompt = prefix + (prefix[:len(suffix)] if arrival["echo"] else suffix)
         priority = arrival["priority"] if self.config.scheduling_policy == "priority" else 0
         self.engine.add_request(rid, {"prompt_token_ids": prompt, "cache_salt": arrival["salt"]},
                                 params_for(arrival), priority=priority)
@@ -160,13 +188,19 @@ class Workload:
         assert all(n >= 1 for n in out.num_new_tokens)
         if self.config.long_prefill_token_threshold:
             assert max(out.num_new_tokens, default=0) <= self.config.long_prefill_token_threshold
+        for (_, num_computed, num_new, _, written), drafts in zip(self.engine.last_schedule_state, out.drafts):
+            if drafts:  # only a decode drafts (never a prefill chunk), at most num_speculative_tokens
+                assert num_computed == len(written) - len(drafts) - 1
+                assert num_new == 1 + len(drafts) <= 1 + self.config.speculative.num_speculative_tokens
+        if any(out.drafts):  # the budget cuts drafts before requests
+            assert all(r in out.requests for r in self.engine.last_running)
 
     def record_kv_writes(self) -> None:
         size = self.engine.block_manager.block_size
-        for request, num_computed, num_new, block_ids in self.engine.last_schedule_state:
+        for request, num_computed, num_new, block_ids, written in self.engine.last_schedule_state:
             for position in range(num_computed, num_computed + num_new):
                 self.kv_written[block_ids[position // size], position % size] = (
-                    request.cache_salt, tuple(request.all_token_ids[:position + 1]))
+                    request.cache_salt, tuple(written[:position + 1]))
 
     def check_prefix_cache_holds_its_kv(self) -> None:
         """Every block the prefix cache names holds the KV of exactly the prefix its hash names."""

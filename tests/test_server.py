@@ -17,7 +17,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import running_server
+from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.serve.cli import build_parser, engine_options

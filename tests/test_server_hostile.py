@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import metric, wait_for
 
-from bench import running_server
+from benchmarks.serve import running_server
 from nanoengine.serve.protocol import MAX_JSON_DEPTH
 
 MAX_MODEL_LEN = 256

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoengine import LLM, RequestOutputKind, SamplingParams
 from nanoengine import StructuredOutputsParams as Structured
+from nanoengine.engine.structured_output import grammar_prefix
 
 # Strings are bounded by a pattern: xgrammar 0.2.9 turns maxLength into a character class that admits raw
 # control characters, which strict JSON forbids (its issue #800).
@@ -239,3 +240,37 @@ def test_bad_constraints_raise_before_queueing_and_the_engine_keeps_serving(llm)
         outputs += engine.step()
     alone = llm.generate("Describe a person as JSON:", params(Structured(json=SCHEMAS[0])), use_tqdm=False)
     assert outputs[-1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_speculation_gives_the_same_structured_tokens(smollm2_dir, default_run):
+    """Drafts are cut where the grammar rejects them, and each drafted row is masked from the matcher's state
+    after the drafts before it: greedy and seeded outputs stay token for token those without drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    with LLM(smollm2_dir, dtype="float32", speculative_config=spec) as llm:
+        run = run_mixed_batch(llm)
+        stats = llm.stats()
+    assert run == default_run
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(llm):
+    manager = llm.llm_engine.structured_output_manager()
+    tokenizer = llm.get_tokenizer()
+    matcher = manager.new_matcher(Structured(choice=["Paris is big", "Rome"]), llm.llm_engine.eos_token_ids)
+    paris = tokenizer.encode("Paris is big")
+    drafts = paris[:2] + tokenizer.encode(" London")
+    assert grammar_prefix(matcher, drafts) == paris[:2]
+    eos = sorted(llm.llm_engine.eos_token_ids)[0]
+    assert grammar_prefix(matcher, paris + [eos]) == paris  # the stop token is left to its own row
+    mask = manager.bitmask_for([matcher, None], [paris[:2], [5]])
+    assert mask.rows == [0, 1, 2] and mask.bitmask.shape[0] == 5
+    for row, prefix in enumerate([[], paris[:1], paris[:2]]):  # each row: what may follow the drafts before it
+        allowed = set(xgr_allowed(mask.bitmask[row], manager.vocab_size))
+        follow = paris[len(prefix)] if len(prefix) < len(paris) else None
+        assert follow in allowed and tokenizer.encode(" London")[0] not in allowed
+    assert grammar_prefix(matcher, paris) == paris  # the matcher was rolled back: it still starts at the start
+
+
+def xgr_allowed(row: torch.Tensor, vocab_size: int) -> list[int]:
+    bits = row.view(torch.uint8).numpy()
+    return [i for i in range(vocab_size) if bits[i // 8] >> (i % 8) & 1]

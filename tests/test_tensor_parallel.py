@@ -156,7 +156,7 @@ def test_sizes_that_do_not_divide_fail_before_any_process_starts(tmp_path, overr
 def step(*rows) -> StepInputs:
     """rows of (request id, block table): one token each, starting at 0."""
     return StepInputs([r for r, _ in rows], [[7] for _ in rows], [0] * len(rows), [list(b) for _, b in rows],
-                      [True] * len(rows), [(0, 0)] * len(rows))
+                      [True] * len(rows), [(0, 0)] * len(rows), [0] * len(rows))
 
 
 def test_step_messages_carry_only_changes_and_rebuild_the_tables():

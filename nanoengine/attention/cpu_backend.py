@@ -1,11 +1,13 @@
 """Paged attention tuned for the CPU: the contract of ``torch_backend``, faster.
 
 - Decodes (one query row per request) go to a small C++ kernel, ``cpu_decode.cpp``, that reads each K and
-  V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. It is compiled for this
-  machine on first use (about 30 s, then cached), together with the layers' small ops
-  (``layers/cpu_ops.cpp``); without a C++ compiler the decodes take the path below, one SDPA call per
-  request: correct, but several times slower (most in bfloat16).
-- A request with several query rows goes to SDPA's flash kernel (causal when it is a whole prompt).
+  V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. So do decodes with
+  speculative drafts (up to 8 query rows): each row is a decode of its own, over the context up to its
+  position, computed as the decode without drafts would compute it. It is compiled for this machine on
+  first use (about 30 s, then cached), together with the layers' small ops (``layers/cpu_ops.cpp``);
+  without a C++ compiler the decodes take the path below, one SDPA call per request: correct, but several
+  times slower (most in bfloat16).
+- Other requests with several query rows (prompts) go to SDPA's flash kernel (causal for a whole prompt).
 
 Each ``CpuBackend`` plans the decode batch once per step (every layer gets the same metadata object), so
 two engines in one process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
@@ -35,6 +37,7 @@ KERNEL_SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).par
 # compiler vectorize the dot products and exp (glibc's vector exp needs all of it, finite math included).
 # -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.
 KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+KERNEL_MAX_QUERY_ROWS = 8  # a decode with up to this many rows (itself and its drafts) goes to the kernel
 
 
 def load_cpu_kernels() -> ModuleType | None:
@@ -59,9 +62,10 @@ def load_cpu_kernels() -> ModuleType | None:
 
 @dataclass
 class DecodePlan:
-    rows: torch.Tensor          # [num_decodes] int64: each decoding request's query row
-    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    seq_lens: torch.Tensor      # [num_decodes] int32
+    rows: torch.Tensor          # [num_rows] int64: the query rows the kernel attends
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32: each row's request's block table
+    seq_lens: torch.Tensor      # [num_rows] int32: the context each row sees (up to its own position)
+    by_request: list[bool]      # per request: are its rows in the kernel's
 
 
 class CpuBackend:
@@ -83,7 +87,7 @@ class CpuBackend:
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             query_len = starts[i + 1] - starts[i]
-            if query_len > 1 or plan is None:
+            if plan is None or not plan.by_request[i]:
                 rows = slice(starts[i], starts[i + 1])
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
@@ -91,15 +95,25 @@ class CpuBackend:
         return out
 
     def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
-        """The requests with one query row, for the kernel; None where there are none or no kernel."""
+        """The query rows of requests with few of them, each with its request and the context it sees, for the
+        kernel; None where there are none or no kernel."""
         if self.planned[0] is not meta:
             starts = meta.query_start_loc_cpu
-            decodes = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+            rows, owners, rows_after = [], [], []  # rows_after: the owner's query rows after this one
+            by_request = [starts[i + 1] - starts[i] == 1 + (meta.num_drafts[i] if meta.num_drafts else 0)
+                          <= KERNEL_MAX_QUERY_ROWS for i in range(meta.num_seqs)]
+            for i in range(meta.num_seqs):
+                query_len = starts[i + 1] - starts[i]
+                if by_request[i]:
+                    rows += range(starts[i], starts[i + 1])
+                    owners += [i] * query_len
+                    rows_after += range(query_len - 1, -1, -1)
             plan = None
-            if decodes and self.kernels is not None:
-                index = torch.tensor(decodes)
-                plan = DecodePlan(torch.tensor([starts[i] for i in decodes]),
-                                  meta.block_tables[index].contiguous(), meta.seq_lens[index].contiguous())
+            if rows and self.kernels is not None:
+                # The device lengths, not the host ones: a CUDA-graph-style padded step sets only the former.
+                index = torch.tensor(owners)
+                plan = DecodePlan(torch.tensor(rows), meta.block_tables[index].contiguous(),
+                                  meta.seq_lens[index] - torch.tensor(rows_after, dtype=torch.int32), by_request)
             self.planned = (meta, plan)
         return self.planned[1]
 

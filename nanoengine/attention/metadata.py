@@ -24,6 +24,7 @@ class AttentionMetadata:
     # Host copies, so backends can plan without a device-to-host sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    num_drafts: list[int] | None = None  # per request: how many of its query rows are speculative drafts
 
     @property
     def num_seqs(self) -> int:

@@ -5,6 +5,7 @@ validated or loaded until create_engine_config().
 """
 
 import argparse
+import json
 import typing
 from dataclasses import MISSING, field, fields, make_dataclass
 
@@ -24,10 +25,10 @@ class EngineArgsMethods:
             flag = "--" + option.name.replace("_", "-")
             if option.type is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=option.default)
-            else:  # the annotation's non-None type: int | None -> int
+            else:  # the annotation's non-None type: int | None -> int (a dict is given as JSON)
                 kind = next(t for t in typing.get_args(option.type) or (option.type,) if t is not type(None))
                 default = None if option.default is MISSING else option.default  # --model: EngineConfig checks it
-                parser.add_argument(flag, type=kind, default=default)
+                parser.add_argument(flag, type=json.loads if kind is dict else kind, default=default)
         return parser
 
     @classmethod

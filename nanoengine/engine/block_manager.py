@@ -176,14 +176,15 @@ class BlockManager:
             parent = request.registered_parent = None if holder is None else holder.serial
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks; the tail goes first so that shared prefixes outlive suffixes.
+    def free(self, request: Request, num_kept_blocks: int = 0) -> None:
+        """Release the request's blocks (past the first ``num_kept_blocks``); the tail goes first so that
+        shared prefixes outlive suffixes.
 
         Blocks are named when they are allocated, before the step computes them. A request preempted in the
         same step it was scheduled never computes them, so they lose their name: their KV was never written.
         """
         num_computed_blocks = request.num_computed_tokens // self.block_size
-        for i in reversed(range(len(request.block_ids))):
+        for i in reversed(range(num_kept_blocks, len(request.block_ids))):
             block = self.blocks[request.block_ids[i]]
             if i >= num_computed_blocks:
                 self.evict(block)
@@ -192,8 +193,8 @@ class BlockManager:
                 self.free_blocks[block.block_id] = block
                 if block.block_hash is None:  # nothing worth keeping: hand it out first
                     self.free_blocks.move_to_end(block.block_id, last=False)
-        request.block_ids = []
-        request.num_registered_blocks = 0
+        del request.block_ids[num_kept_blocks:]
+        request.num_registered_blocks = min(request.num_registered_blocks, num_kept_blocks)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached_blocks.values()):

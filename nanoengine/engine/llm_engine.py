@@ -14,7 +14,8 @@ from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
-from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager
+from nanoengine.engine.spec_decode import DraftLength, propose_ngram
+from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager, grammar_prefix
 from nanoengine.engine.tp_worker import start_model_runner
 from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -37,6 +38,7 @@ class LLMEngine:
         self.held_outputs: list[RequestOutput] = []  # outputs an LLM.generate call stepped past: the next step's
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
+        self.spec_counts = [0, 0, 0]  # speculative decoding: (drafted requests, draft tokens, accepted tokens)
         self.trace = StepTrace(self.scheduler) if config.trace else None
 
     def init_request_checks(self, config: EngineConfig) -> None:
@@ -180,6 +182,8 @@ class LLMEngine:
                 self.enqueue(child)
             return
         self.requests[request.request_id] = request
+        if self.config.speculative is not None:
+            request.draft_length = DraftLength(self.config.speculative.num_speculative_tokens)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.scheduler.add(request)
@@ -229,6 +233,9 @@ class LLMEngine:
         self.advance(scheduled)
         self.record_prompt_logprobs(result)
         outputs = held + self.apply_samples(result)
+        if self.trace is not None:
+            self.trace.log_verified(result)
+        self.propose_drafts(result.requests)
         usage = 1 - self.block_manager.num_free_blocks / len(self.block_manager.blocks)
         self.step_history.append((len(self.scheduler.running), len(self.scheduler.waiting), usage))
         return outputs
@@ -240,9 +247,9 @@ class LLMEngine:
         its one request. A tensor-parallel step that fails has stopped its workers: there is nothing to rerun on."""
         if self.model_runner.workers is not None:
             raise error
-        merged, failed = StepResult([], [], []), []  # logprobs: a row, or None, per request
-        for request, num_new in list(zip(scheduled.requests, scheduled.num_new_tokens)):
-            alone = SchedulerOutput([request], [num_new])
+        merged, failed = StepResult([], [], [], []), []  # logprobs: its rows, or None, per request
+        for request, num_new, drafts in list(zip(scheduled.requests, scheduled.num_new_tokens, scheduled.drafts)):
+            alone = SchedulerOutput([request], [num_new], drafts=[drafts])
             try:
                 result = self.model_runner.execute(alone, self.grammar_bitmask(alone))
             except Exception as own_error:
@@ -253,6 +260,7 @@ class LLMEngine:
                 continue
             merged.requests += result.requests
             merged.token_ids += result.token_ids
+            merged.num_drafts += result.num_drafts
             merged.prompt_logprobs += result.prompt_logprobs
             merged.logprobs += result.logprobs or [None] * len(result.requests)
         if not any(merged.logprobs):
@@ -262,31 +270,32 @@ class LLMEngine:
     def grammar_bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask | None:
         if self.structured_outputs is None:
             return None
-        sampling = [r for r, samples in zip(scheduled.requests, scheduled.samples()) if samples]
-        return self.structured_outputs.bitmask_for([r.matcher for r in sampling])
+        sampling = [(r, d) for r, d, samples in zip(scheduled.requests, scheduled.drafts, scheduled.samples())
+                    if samples]
+        return self.structured_outputs.bitmask_for([r.matcher for r, _ in sampling], [d for _, d in sampling])
 
     def count_step_tokens(self, scheduled: SchedulerOutput) -> None:
-        decode = sum(1 for r, n in zip(scheduled.requests, scheduled.num_new_tokens)
-                     if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
+        decode = sum(n for r, n, d in zip(scheduled.requests, scheduled.num_new_tokens, scheduled.drafts)
+                     if n - len(d) == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
         self.last_step_tokens = (scheduled.total_tokens - decode, decode)
 
     def advance(self, scheduled: SchedulerOutput) -> None:
-        for request, num_new in zip(scheduled.requests, scheduled.num_new_tokens):
-            request.num_computed_tokens += num_new
+        """Count the step's tokens as computed, except drafts: each is counted once it is accepted."""
+        for request, num_new, drafts in zip(scheduled.requests, scheduled.num_new_tokens, scheduled.drafts):
+            request.num_computed_tokens += num_new - len(drafts)
 
     def apply_samples(self, result: StepResult) -> list[RequestOutput]:
         now = time.time()
         outputs = []
-        for i, (request, token_id) in enumerate(zip(result.requests, result.token_ids)):
-            request.append_output_token(token_id)
-            self.record_token_time(request, now)
-            if result.logprobs is not None and request.logprobs is not None:
-                self.record_logprobs(request, token_id, result.logprobs[i])
-            if request.matcher is not None and not request.matcher.accept_token(token_id):
-                # The mask makes this impossible; if it happens anyway, only this request ends.
-                self.scheduler.finish(request, "error", f"structured_outputs: the grammar rejected token {token_id}")
-            else:
-                self.check_stop(request, token_id)
+        for i, (request, run) in enumerate(zip(result.requests, result.token_ids)):
+            logprobs_rows = None if result.logprobs is None else result.logprobs[i]
+            for j, token_id in enumerate(run):
+                request.num_computed_tokens += j > 0  # the draft before this token was accepted
+                self.append_token(request, token_id, now, logprobs_rows[j] if logprobs_rows else None)
+                if request.is_finished:
+                    break
+            if result.num_drafts[i]:
+                self.record_verification(request, result.num_drafts[i], len(run) - 1)
             self.emit(request, outputs, now)
         return outputs
 
@@ -300,6 +309,47 @@ class LLMEngine:
         if request.is_finished:
             request.metrics.finished_time = now
             self.forget(request)
+
+    def append_token(self, request: Request, token_id: int, now: float, logprobs_row: tuple | None) -> None:
+        request.append_output_token(token_id)
+        self.record_token_time(request, now)
+        if logprobs_row is not None and request.logprobs is not None:
+            self.record_logprobs(request, token_id, logprobs_row)
+        if request.matcher is not None and not request.matcher.accept_token(token_id):
+            # The mask makes this impossible; if it happens anyway, only this request ends.
+            self.scheduler.finish(request, "error", f"structured_outputs: the grammar rejected token {token_id}")
+        else:
+            self.check_stop(request, token_id)
+
+    # Speculative decoding ------------------------------------------------------------------------
+
+    def record_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Count the drafts, adapt the request's draft length, and give back the blocks of rejected drafts."""
+        for i, count in enumerate((1, num_drafts, num_accepted)):
+            self.spec_counts[i] += count
+        request.draft_length.update(num_drafts, num_accepted)
+        if not request.is_finished:
+            size = self.block_manager.block_size
+            self.block_manager.free(request, num_kept_blocks=-(-request.num_computed_tokens // size))
+
+    def propose_drafts(self, requests: list[Request]) -> None:
+        """Draft the next tokens of each request that just sampled (see spec_decode.py)."""
+        spec = self.config.speculative
+        for request in requests:
+            request.spec_token_ids = []
+            if spec is None or request.is_finished:
+                continue
+            structured = request.matcher is not None
+            if structured and request.num_output_tokens < request.params.min_tokens:
+                continue  # its rows' stop-token bans would need the matcher's state after each draft
+            # What the request may still emit, less the token sampled after the drafts.
+            room = min(request.max_tokens - request.num_output_tokens,
+                       self.config.max_model_len - request.num_tokens) - 1
+            num_drafts = min(room, request.draft_length.allowed())
+            if num_drafts > 0:
+                drafts = propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                       num_drafts)
+                request.spec_token_ids = grammar_prefix(request.matcher, drafts) if structured else drafts
 
     def record_token_time(self, request: Request, now: float) -> None:
         metrics = request.metrics
@@ -410,7 +460,8 @@ class LLMEngine:
             num_cached_blocks=bm.num_cached_free_blocks, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            step_history=list(self.step_history))
+            spec_num_drafts=self.spec_counts[0], spec_num_draft_tokens=self.spec_counts[1],
+            spec_num_accepted_tokens=self.spec_counts[2], step_history=list(self.step_history))
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

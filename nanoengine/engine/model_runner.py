@@ -2,11 +2,13 @@
 
 Every scheduled token of every request goes into one flat batch; the
 attention metadata says which rows belong to which request and where each
-request's blocks are. Logits are computed only for the rows that sample, and
-for the prompt rows of requests that ask for prompt logprobs.
+request's blocks are. Logits are computed only for the rows that sample (a
+request with k drafts samples at its last k + 1 rows, see spec_decode.py),
+and for the prompt rows of requests that ask for prompt logprobs.
 """
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +20,7 @@ from nanoengine.distributed import min_over_ranks, rank_device
 from nanoengine.engine.cuda_graphs import capture_decode_graphs
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.engine.spec_decode import accepted_run
 from nanoengine.engine.structured_output import GrammarBitmask, apply_bitmask
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import choose_linear_kernels
@@ -35,9 +38,10 @@ class StepResult:
     """What one step sampled: one entry per scheduled request that sampled, in schedule order."""
 
     requests: list[Request]
-    token_ids: list[int]
-    # With logprobs requested: per row (sampled logprob, rank, top ids, top logprobs).
-    logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+    token_ids: list[list[int]]  # the tokens each emits: its accepted drafts, then one sampled token
+    num_drafts: list[int]  # how many drafts each carried
+    # With logprobs requested: per request, per emitted token (logprob, rank, top ids, top logprobs).
+    logprobs: list[list[tuple[float, int, list[int], list[float]]]] | None = None
     # Per request that asked for prompt logprobs and computed prompt rows: (request, rows as above).
     prompt_logprobs: list[tuple[Request, list[tuple[float, int, list[int], list[float]]]]] = field(
         default_factory=list)
@@ -54,14 +58,15 @@ class StepInputs:
     samples: list[bool]  # True when the request's whole context is in after this step: it samples
     # (first position, count) of the rows whose logits give prompt logprobs; (0, 0) for none.
     prompt_rows: list[tuple[int, int]]
+    num_drafts: list[int]  # the last num_drafts token_ids are drafts: a sampling request samples at 1 + that
 
     @classmethod
     def of(cls, step: SchedulerOutput) -> "StepInputs":
-        inputs = cls([], [], [], [], step.samples(), [])
-        for request, num_new in zip(step.requests, step.num_new_tokens):
+        inputs = cls([], [], [], [], step.samples(), [], [len(d) for d in step.drafts])
+        for request, num_new, drafts in zip(step.requests, step.num_new_tokens, step.drafts):
             start = request.num_computed_tokens
             inputs.request_ids.append(request.request_id)
-            inputs.token_ids.append(request.all_token_ids[start:start + num_new])
+            inputs.token_ids.append(request.all_token_ids[start:start + num_new - len(drafts)] + drafts)
             inputs.starts.append(start)
             inputs.block_tables.append(request.block_ids)
             inputs.prompt_rows.append(prompt_rows(request, start, num_new))
@@ -192,10 +197,12 @@ class ModelRunner:
         """Run the model on one step and sample; ``grammar_bitmask`` constrains the structured requests' rows."""
         inputs = StepInputs.of(step)
         logits = self.forward(inputs) if self.workers is None else self.workers.run_step(inputs, self.forward)
-        sampling_requests = [r for r, samples in zip(step.requests, inputs.samples) if samples]
+        sampling = [(r, d) for r, d, samples in zip(step.requests, step.drafts, inputs.samples) if samples]
+        num_rows = sum(1 + len(d) for _, d in sampling)
         logits = logits.float()
-        result = self.sample(logits[:len(sampling_requests)], sampling_requests, grammar_bitmask)
-        result.prompt_logprobs = self.prompt_logprobs(logits[len(sampling_requests):], step.requests, inputs)
+        result = self.sample(logits[:num_rows], [r for r, _ in sampling], [d for _, d in sampling],
+                             grammar_bitmask)
+        result.prompt_logprobs = self.prompt_logprobs(logits[num_rows:], step.requests, inputs)
         return result
 
     @torch.inference_mode()
@@ -210,12 +217,13 @@ class ModelRunner:
 
     def prepare_inputs(self, inputs: StepInputs):
         input_ids, seq_lens, query_start_loc, logit_rows = [], [], [0], []
-        for token_ids, start, samples in zip(inputs.token_ids, inputs.starts, inputs.samples):
+        for token_ids, start, samples, num_drafts in zip(inputs.token_ids, inputs.starts, inputs.samples,
+                                                         inputs.num_drafts):
             input_ids.extend(token_ids)
             seq_lens.append(start + len(token_ids))
             query_start_loc.append(query_start_loc[-1] + len(token_ids))
             if samples:
-                logit_rows.append(query_start_loc[-1] - 1)
+                logit_rows.extend(range(query_start_loc[-1] - 1 - num_drafts, query_start_loc[-1]))
         max_blocks = max(len(b) for b in inputs.block_tables)
         block_table = torch.tensor([b + [-1] * (max_blocks - len(b)) for b in inputs.block_tables],
                                    dtype=torch.int32)
@@ -231,7 +239,7 @@ class ModelRunner:
             seq_lens=self.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             block_tables=self.to_device(block_table),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens, num_drafts=inputs.num_drafts)
         for (first, count), start, row0 in zip(inputs.prompt_rows, inputs.starts, query_start_loc):
             logit_rows.extend(range(row0 + first - start, row0 + first - start + count))
         return (self.to_device(torch.tensor(input_ids)), self.to_device(positions), meta,
@@ -242,22 +250,25 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request],
+    def sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
                grammar_bitmask: GrammarBitmask | None = None) -> StepResult:
-        params = [r.params for r in requests]
+        """Sample every row as plain decoding would (a request's row j sees its drafts before j as output),
+        then keep each request's accepted run."""
+        rows = [(r, j, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        params = [r.params for r, _, _ in rows]
         tensors = SamplingTensors(
             temperatures=self.to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
             top_ks=self.to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64)),
             top_ps=self.to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
             min_ps=self.to_device(torch.tensor([p.min_p for p in params], dtype=torch.float32)),
-            generators=[r.generator for r in requests],
+            generators=[r.generator_at(r.num_output_tokens + j) for r, j, _ in rows],
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params))
-        processed = ban_stop_tokens_before_min_tokens(logits, requests)
+        processed = ban_stop_tokens_before_min_tokens(logits, rows)
         if any(p.has_penalties for p in params):
             processed = apply_penalties(
-                processed, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                processed, [r.prompt_token_ids for r, _, _ in rows], [r.output_token_ids + d for r, _, d in rows],
                 *(self.to_device(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32))
                   for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")))
         if grammar_bitmask is not None:
@@ -265,12 +276,15 @@ class ModelRunner:
                 processed = processed.clone()  # logprobs stay the raw model's
             apply_bitmask(processed, grammar_bitmask)
         tokens = sample(processed, tensors, self.generator)
-        result = StepResult(requests, tokens.tolist())
+        sampled, starts = tokens.tolist(), list(accumulate((1 + len(d) for d in drafts), initial=0))
+        runs = [accepted_run(d, sampled[start:start + len(d) + 1]) for d, start in zip(drafts, starts)]
+        result = StepResult(requests, runs, [len(d) for d in drafts])
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is not None:
             # Raw model logprobs, as vLLM reports them: before min_tokens' ban, the grammar and the temperature.
-            sampled, ranks, top_values, top_ids = top_logprobs(logits, tokens, num_top)
-            result.logprobs = list(zip(sampled.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()))
+            chosen, ranks, top_values, top_ids = top_logprobs(logits, tokens, num_top)
+            per_row = list(zip(chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()))
+            result.logprobs = [per_row[start:start + len(run)] for start, run in zip(starts, runs)]
         return result
 
     def prompt_logprobs(self, logits: torch.Tensor, requests: list[Request], inputs: StepInputs) -> list:
@@ -287,14 +301,17 @@ class ModelRunner:
         return results
 
 
-def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The logits with the stop tokens of requests still short of min_tokens masked (a copy, if any are).
+def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[tuple[Request, int, list[int]]]
+                                      ) -> torch.Tensor:
+    """The logits with the stop tokens of rows still short of min_tokens masked (a copy, if any are); row
+    (request, j, drafts) samples the request's output token num_output_tokens + j.
 
     A structured request whose output already matches its whole grammar is not held back: the grammar may
-    allow nothing but a stop token, and a row must never be all -inf.
+    allow nothing but a stop token, and a row must never be all -inf. (Such a request drafts nothing while
+    short of min_tokens, so its matcher's state is that of its only row.)
     """
-    bans = [(row, list(r.stop_token_ids)) for row, r in enumerate(requests)
-            if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids
+    bans = [(row, list(r.stop_token_ids)) for row, (r, j, _) in enumerate(rows)
+            if r.num_output_tokens + j < r.params.min_tokens and r.stop_token_ids
             and not (r.matcher is not None and r.matcher.is_completed())]
     if not bans:
         return logits

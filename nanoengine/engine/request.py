@@ -45,7 +45,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.stop_token_ids: set[int] = set()  # EOS (unless ignore_eos) and params.stop_token_ids
         self.matcher = None  # a structured request's grammar matcher (xgrammar), set by the engine
-        self.generator = self.seeded_generator()
+        self.spec_token_ids: list[int] = []  # drafts of the tokens after all_token_ids, not verified yet
+        self.draft_length = None  # with speculative decoding: its DraftLength, set by the engine
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         # The first prompt token has no logprob (nothing predicts it): None, as in vLLM.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
@@ -55,10 +56,12 @@ class Request:
         self.parent: ParentRequest | None = None  # set when this request is one of n samples of a prompt
         self.index = 0  # which of the parent's n samples this is
 
-    def seeded_generator(self) -> torch.Generator | None:
+    def generator_at(self, output_index: int) -> torch.Generator | None:
+        """A seeded request's noise for its ``output_index``-th token depends on (seed, index) alone, so
+        that drafts, preemptions and other requests in the batch never change what it samples."""
         if self.params.seed is None:
             return None
-        return torch.Generator().manual_seed(self.params.seed)
+        return torch.Generator().manual_seed((self.params.seed * 0x9E3779B97F4A7C15 + output_index) % 2**64)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,8 @@ There are no prefill and decode phases. Each step has a token budget
 ones, and each gets ``num_tokens - num_computed_tokens`` new tokens, capped by
 what is left of the budget and by ``long_prefill_token_threshold``. So a
 decode (1 token), a prompt's next chunk and a fresh prompt all share a step.
+With speculative decoding a decode also carries its drafts: they take what
+the running requests leave of the budget (drafts are cut before requests).
 When the KV cache is full, a running request is preempted: its blocks are
 freed, its progress is forgotten, and it waits to be recomputed.
 """
@@ -23,6 +25,7 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request, in the same order
     admitted: list[Request] = field(default_factory=list)  # taken from waiting this step (also in requests)
     preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
+    drafts: list[list[int]] = field(default_factory=list)  # per scheduled request: its drafts (in num_new_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -30,15 +33,17 @@ class SchedulerOutput:
 
     def samples(self) -> list[bool]:
         """Per request: True when its whole context is in after this step, so that it samples a token."""
-        return [r.num_computed_tokens + n == r.num_tokens for r, n in zip(self.requests, self.num_new_tokens)]
+        return [r.num_computed_tokens + n - len(d) == r.num_tokens
+                for r, n, d in zip(self.requests, self.num_new_tokens, self.drafts)]
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
+        self.drafts.append([])
 
     def remove(self, request: Request) -> int:
         i = self.requests.index(request)
-        del self.requests[i]
+        del self.requests[i], self.drafts[i]
         return self.num_new_tokens.pop(i)
 
 
@@ -80,6 +85,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget, preempted = self.schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self.schedule_drafts(out, budget)
         if not preempted:
             self.schedule_waiting(out, budget)
         now = time.time()
@@ -110,6 +116,19 @@ class Scheduler:
                 budget -= num_new
         return budget, preempted
 
+    def schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Add each scheduled decode's drafts while budget and free blocks last (never preempting for them)."""
+        for i, request in enumerate(out.requests):
+            num_new = out.num_new_tokens[i]
+            if budget <= 0 or not request.spec_token_ids or num_new != request.num_tokens - request.num_computed_tokens:
+                continue
+            num_drafts = self.capped(num_new + len(request.spec_token_ids), num_new + budget) - num_new
+            if num_drafts > 0 and self.block_manager.allocate_slots(request, num_new + num_drafts):
+                out.num_new_tokens[i] += num_drafts
+                out.drafts[i] = request.spec_token_ids[:num_drafts]
+                budget -= num_drafts
+        return budget
+
     def preemption_victim(self) -> Request:
         """As vLLM: the least important (then latest) under priority; under FCFS the last request admitted."""
         return max(self.running, key=self.order_key) if self.by_priority else self.running[-1]
@@ -137,6 +156,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.push_waiting(request)

@@ -15,6 +15,10 @@ xgrammar, vLLM's default backend. The manager
   sampled token keeps the output inside the grammar;
 - after sampling, lets each matcher accept its token.
 
+With speculative decoding, drafts are cut at the first token the grammar
+rejects (``grammar_prefix``), and a drafted request's rows are masked as its
+matcher accepts the drafts one by one, then rolls them back.
+
 Once the grammar is complete, the matcher allows only the request's stop
 tokens, and the request ends with ``finish_reason="stop"``.
 """
@@ -67,15 +71,36 @@ class StructuredOutputManager:
         return xgr.GrammarMatcher(self.compile(params),
                                   override_stop_tokens=sorted(stop_token_ids or self.eos_token_ids))
 
-    def bitmask_for(self, matchers: list[xgr.GrammarMatcher | None]) -> GrammarBitmask | None:
-        """The mask for one step's sampling rows (one matcher or None per row); None when no row is structured."""
-        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
-        if not rows:
+    def bitmask_for(self, matchers: list[xgr.GrammarMatcher | None], drafts: list[list[int]]) -> GrammarBitmask | None:
+        """The mask for one step's sampling rows: per sampling request (a matcher or None, and its drafts) one
+        row, plus one per draft, filled as the matcher accepts each draft in turn (then rolls them back).
+        None when no request is structured."""
+        if all(matcher is None for matcher in matchers):
             return None
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for row in rows:
-            matchers[row].fill_next_token_bitmask(bitmask, row)
+        bitmask = xgr.allocate_token_bitmask(sum(1 + len(d) for d in drafts), self.vocab_size)
+        rows, row = [], 0
+        for matcher, draft_ids in zip(matchers, drafts):
+            if matcher is not None:
+                for j in range(len(draft_ids) + 1):
+                    matcher.fill_next_token_bitmask(bitmask, row + j)
+                    rows.append(row + j)
+                    if j < len(draft_ids):
+                        matcher.accept_token(draft_ids[j])
+                matcher.rollback(len(draft_ids))
+            row += 1 + len(draft_ids)
         return GrammarBitmask(bitmask, rows)
+
+
+def grammar_prefix(matcher: xgr.GrammarMatcher, draft_ids: list[int]) -> list[int]:
+    """The drafts up to the first one that the grammar rejects or that would end it (its stop token is
+    then sampled in a row of its own); the matcher is left as it was."""
+    num_accepted = 0
+    while num_accepted < len(draft_ids) and not matcher.is_terminated() and matcher.accept_token(
+            draft_ids[num_accepted]):
+        num_accepted += 1
+    num_kept = num_accepted - matcher.is_terminated()
+    matcher.rollback(num_accepted)
+    return draft_ids[:num_kept]
 
 
 def without_source_location(error: Exception) -> str:

@@ -44,6 +44,7 @@ class RequestDelta(NamedTuple):
     new_block_ids: list[int]  # appended after the kept blocks
     samples: bool
     prompt_rows: tuple[int, int]
+    num_drafts: int
 
 
 class StepMessage(NamedTuple):
@@ -64,18 +65,24 @@ class StepEncoder:
 
     def encode(self, inputs: StepInputs) -> StepMessage:
         deltas = []
-        for request_id, token_ids, start, block_ids, samples, prompt_rows in zip(
+        for request_id, token_ids, start, block_ids, samples, prompt_rows, num_drafts in zip(
                 inputs.request_ids, inputs.token_ids, inputs.starts, inputs.block_tables, inputs.samples,
-                inputs.prompt_rows):
+                inputs.prompt_rows, inputs.num_drafts):
             sent = self.sent_tables.setdefault(request_id, [])
-            # Tables only grow, except that a preempted request starts over with new blocks.
-            num_kept = len(sent) if block_ids[:len(sent)] == sent else 0
+            # Tables grow, but lose their tail after rejected drafts, and start over after a preemption.
+            num_kept = common_prefix_length(sent, block_ids)
             new_block_ids = block_ids[num_kept:]
             del sent[num_kept:]
             sent.extend(new_block_ids)
-            deltas.append(RequestDelta(request_id, token_ids, start, num_kept, new_block_ids, samples, prompt_rows))
+            deltas.append(RequestDelta(request_id, token_ids, start, num_kept, new_block_ids, samples, prompt_rows,
+                                       num_drafts))
         finished_ids, self.finished_ids = self.finished_ids, []
         return StepMessage(finished_ids, deltas)
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    shorter = min(len(a), len(b))
+    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
 
 
 class StepDecoder:
@@ -87,7 +94,7 @@ class StepDecoder:
     def decode(self, message: StepMessage) -> StepInputs:
         for request_id in message.finished_ids:
             del self.tables[request_id]
-        inputs = StepInputs([], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [])
         for delta in message.requests:
             table = self.tables.setdefault(delta.request_id, [])
             del table[delta.num_kept_blocks:]
@@ -98,6 +105,7 @@ class StepDecoder:
             inputs.block_tables.append(table)
             inputs.samples.append(delta.samples)
             inputs.prompt_rows.append(delta.prompt_rows)
+            inputs.num_drafts.append(delta.num_drafts)
         return inputs
 
 

@@ -9,6 +9,9 @@ to stderr. A block, logged after scheduling and before the model runs::
       prefill c  16+16/40  new blocks [12]  cache hit 1 block(s) (16 tokens): 3#5d1e0c
       preempted b
 
+With speculative decoding a decode line ends with its drafts (``+ 3 drafts``), and after the model has
+run one line says how many each drafted request kept: ``  accepted a 2/3, d 0/1``.
+
 ``37+1/38``: 37 tokens already had K/V in the cache, 1 is computed now, of 38 known tokens. A request
 is a *prefill* while it computes prompt tokens (or recomputes after a preemption), a *decode* once only
 its last sampled token is new. ``3#5d1e0c``: block 3, whose chained hash ends in ``5d1e0c``.
@@ -42,10 +45,18 @@ class StepTrace:
         lines = [f"step {self.num_steps}: {len(step.requests)} scheduled, {step.total_tokens} tokens"
                  f" | free blocks {bm.num_free_blocks} ({bm.num_cached_free_blocks} cached)"
                  f" | running {ids(scheduler.running)} | waiting {ids(scheduler.waiting)}"]
-        lines += [self.request_line(r, n, r in step.admitted) for r, n in zip(step.requests, step.num_new_tokens)]
+        lines += [self.request_line(r, n - len(d), r in step.admitted) + (f"  + {len(d)} drafts" if d else "")
+                  for r, n, d in zip(step.requests, step.num_new_tokens, step.drafts)]
         if step.preempted:
             lines.append(f"  preempted {', '.join(r.request_id for r in step.preempted)}")
         return lines
+
+    def log_verified(self, result) -> None:
+        """After the model ran: how many drafts each drafted request kept."""
+        verified = [f"{r.request_id} {len(run) - 1}/{n}" for r, run, n in zip(result.requests, result.token_ids,
+                                                                              result.num_drafts) if n]
+        if verified:
+            logger.info("  accepted " + ", ".join(verified))
 
     def request_line(self, request: Request, num_new: int, admitted: bool) -> str:
         computed, size = request.num_computed_tokens, self.block_manager.block_size

@@ -8,6 +8,7 @@ the engine core dies, the server exits with code 1.
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -37,7 +38,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
         flag = "--" + option.name.replace("_", "-")
         default = None if option.default is MISSING else option.default
-        extra = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        extra = ({"action": argparse.BooleanOptionalAction} if kind is bool
+                 else {"type": json.loads, "metavar": "JSON"} if kind is dict else {"type": kind})
         parser.add_argument(flag, default=argparse.SUPPRESS, help=f"LLM option (default: {default})", **extra)
 
 

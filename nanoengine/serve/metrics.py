@@ -27,6 +27,9 @@ class Metrics:
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = metric(Counter, "num_preemptions", "Preemptions")
+        self.spec_drafts = metric(Counter, "spec_decode_num_drafts", "Drafts verified (one per request and step)")
+        self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that got a first token")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens")
         self.request_success = Counter("nanoengine:request_success", "Finished requests", ["model_name",
@@ -37,15 +40,17 @@ class Metrics:
         self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between output tokens",
                           buckets=LATENCY_BUCKETS)
         self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
-        self.last_totals = (0, 0, 0)  # the engine's cumulative (queries, hits, preemptions) seen so far
+        self.last_totals = (0,) * 6  # the engine's cumulative counts (as in record_stats) seen so far
 
     def record_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
-                                     self.last_totals):
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions, stats.spec_num_drafts,
+                  stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        counters = (self.prefix_queries, self.prefix_hits, self.preemptions, self.spec_drafts,
+                    self.spec_draft_tokens, self.spec_accepted_tokens)
+        for counter, new, old in zip(counters, totals, self.last_totals):
             counter.inc(new - old)
         self.last_totals = totals
 

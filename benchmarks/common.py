@@ -1,0 +1,162 @@
+"""What the presets share: the random-token workload, the models it runs on, and our engine's timed run."""
+
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.engine.model_runner import StepInputs
+from nanoengine.utils.cpu_info import cpu_flags, cpu_model
+from nanoengine.utils.default_model import cache_dir, default_model_path
+
+QWEN3_0_6B_SHAPE = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_theta=1000000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+RANDOM_MODEL_NAME = "bench-qwen3-0.6b-random"
+
+@dataclass
+class Workload:
+    num_seqs: int
+    prompt_lens: tuple[int, int]  # inclusive range, drawn uniformly
+    output_lens: tuple[int, int]
+    temperature: float
+    dtype: str
+    max_model_len: int
+
+
+WORKLOADS = {
+    "gpu": Workload(256, (100, 1024), (100, 1024), 0.6, "bfloat16", 4096),
+    "cpu": Workload(32, (64, 512), (32, 256), 0.0, "bfloat16", 2048),  # float32 where bfloat16 is not native
+}
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+def make_requests(w: Workload) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py recipe: token ids uniform in [0, 10000], the same draws in the same order."""
+    random.seed(0)
+    randint = random.randint
+    prompts = [[randint(0, 10000) for _ in range(randint(*w.prompt_lens))] for _ in range(w.num_seqs)]
+    params = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=randint(*w.output_lens))
+              for _ in range(w.num_seqs)]
+    return prompts, params
+
+
+def random_qwen3_model(folder: Path | None = None) -> str:
+    """A Qwen3-0.6B-shaped checkpoint with random weights (bf16), built once and cached."""
+    folder = folder or cache_dir() / RANDOM_MODEL_NAME
+    if (folder / "model.safetensors").is_file():
+        return str(folder)
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    print(f"bench: building a random Qwen3-0.6B-shaped model in {folder} (once)", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        torch.manual_seed(0)
+        config = Qwen3Config(**QWEN3_0_6B_SHAPE, dtype="bfloat16")
+        with torch.device("cuda" if on_gpu() else "cpu"):  # random init of 0.6B weights is slow on a CPU
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(temp)
+        byte_level_tokenizer().save_pretrained(temp)
+        temp.rename(folder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return str(folder)
+
+
+def byte_level_tokenizer():
+    """256 byte tokens and an end-of-text token: prompts here are token ids, so any tokenizer will do,
+    and one built in place needs no download (ids past its vocabulary decode to nothing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+
+
+def model_for(args) -> str:
+    """The model a preset runs: the random Qwen3-0.6B shape on a GPU, SmolLM2 on the CPU."""
+    if args.model:
+        return args.model
+    if args.preset == "gpu" or (args.preset != "cpu" and on_gpu()):
+        return random_qwen3_model()
+    return default_model_path()
+
+def sync() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+# One forward pass as the roofline sees it: per scheduled request (new tokens, context length after the
+# step, whether it samples).
+Step = list[tuple[int, int, bool]]
+
+@dataclass
+class Throughput:
+    name: str
+    useful_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+    def announce(self) -> "Throughput":
+        """Each figure as soon as it is measured, so a run cut short still leaves it in the log."""
+        print(f"bench: {self.name}: {self.useful_tokens} tokens in {self.seconds:.2f} s = "
+              f"{self.tokens_per_s:,.1f} tok/s", file=sys.stderr, flush=True)
+        return self
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Throughput, list[Step]]:
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    steps = record_steps(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    del llm.llm_engine.model_runner.execute  # the recording wrapper: back to the class's method
+    return Throughput("nanoengine", sum(len(o.outputs[0].token_ids) for o in outputs), seconds), steps
+
+
+def record_steps(llm: LLM) -> list[Step]:
+    """From now on, note the shape of each step the model runner executes (for the roofline)."""
+    runner = llm.llm_engine.model_runner
+    execute, steps = runner.execute, []
+
+    def recording_execute(scheduled, *args):
+        inputs = StepInputs.of(scheduled)
+        steps.append([(len(ids), start + len(ids), samples)
+                      for ids, start, samples in zip(inputs.token_ids, inputs.starts, inputs.samples)])
+        return execute(scheduled, *args)
+
+    runner.execute = recording_execute
+    return steps
+
+def preset_workload(preset: str, dtype: str | None) -> Workload:
+    """The preset's workload in ``dtype``; by default the cpu preset runs in bfloat16 where the CPU multiplies
+    it natively (AVX-512 BF16 or AMX), else in float32."""
+    if dtype is None and preset == "cpu" and not cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        dtype = "float32"
+    return replace(WORKLOADS[preset], dtype=dtype) if dtype else WORKLOADS[preset]
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]

@@ -1,0 +1,72 @@
+"""Speculative decoding with n-gram drafts (vLLM's prompt lookup), verified in the same forward pass.
+
+- Proposing: after a step, a request that decodes looks for the longest suffix n-gram of its tokens
+  (``prompt_lookup_max`` down to ``prompt_lookup_min`` long) earlier in its prompt and output, and drafts
+  the tokens that followed its first occurrence, as many as its draft length allows.
+- The scheduler gives a decode 1 + k tokens of the budget; the model runner computes logits at all k + 1
+  positions, and each row is sampled exactly as plain decoding would sample it (penalties, min_tokens,
+  grammar, temperature, min-p, top-k, top-p; the row after draft j sees the drafts up to j as output).
+- Verifying (``accepted_run``): drafts are kept while each equals the token sampled at its position;
+  the first row whose draw differs emits that draw, and when every draft matched the last row's draw is
+  a bonus token. Greedy rows draw their argmax. For a sampled row, the draw equals the draft with
+  probability p(draft), and a draw that differs is distributed as p with the draft removed,
+  renormalised: vLLM's rejection rule for a draft that is a point mass, so the output distribution is
+  exactly plain sampling's. A seeded request draws position i's noise from (seed, i) alone, so it
+  produces the same tokens with or without drafts, whatever else is in the batch.
+- Adapting (``DraftLength``): each request drafts up to its own length, which grows by one after a step
+  that accepted every draft and drops to the number accepted otherwise. At length 0 the request skips
+  drafting for a while, then probes with one draft; each failed probe doubles the wait (up to
+  ``MAX_WAIT`` steps), so a request whose output never copies its context costs almost nothing.
+"""
+
+import numpy as np
+
+MAX_WAIT = 64  # decode steps a request at draft length 0 waits, at most, before probing again
+
+
+def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the first earlier occurrence of the longest matching suffix n-gram."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        # Windows start at 0 .. len - n - 1: every n-gram but the suffix itself.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = hits[0] + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+def accepted_run(draft_ids: list[int], sampled_ids: list[int]) -> list[int]:
+    """The tokens a drafted request emits: ``sampled_ids[j]`` is the draw at draft j's position (one more
+    than there are drafts). Drafts are kept while they equal the draw, then the next draw is emitted."""
+    num_accepted = 0
+    while num_accepted < len(draft_ids) and draft_ids[num_accepted] == sampled_ids[num_accepted]:
+        num_accepted += 1
+    return sampled_ids[:num_accepted + 1]
+
+
+class DraftLength:
+    """One request's adaptive draft length (see the module docstring)."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self.length = max_length
+        self.wait = 0  # steps to skip before the next probe, at length 0
+        self.next_wait = 1
+
+    def allowed(self) -> int:
+        """How many drafts this step may carry (called once per decode step)."""
+        if self.length or self.wait == 0:
+            return max(self.length, 1)
+        self.wait -= 1
+        return 0
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_accepted == num_drafted:
+            self.length = min(self.max_length, self.length + 1)
+            self.next_wait = 1
+        else:
+            self.length = num_accepted
+        if self.length == 0:
+            self.wait, self.next_wait = self.next_wait, min(2 * self.next_wait, MAX_WAIT)
