@@ -123,5 +123,5 @@ def print_spec_table(report: dict) -> None:
         print(line)
     r = report["random"]
     print(f"random tokens (cpu preset): {r['plain_tok_s']:,.1f} tok/s without, {r['spec_tok_s']:,.1f} with "
-          f"speculation ({r['slowdown_percent']:+.1f}% slower); {r['draft_tokens']} tokens drafted, "
+          f"speculation (time {r['slowdown_percent']:+.1f}%); {r['draft_tokens']} tokens drafted, "
           f"{r['accepted_tokens']} accepted")
