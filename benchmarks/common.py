@@ -127,14 +127,14 @@ def run_ours(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    del llm.llm_engine.model_runner.execute  # the recording wrapper: back to the class's method
+    del llm.llm_engine.model_executor.execute_model  # the recording wrapper: back to the class's method
     return Throughput("nanoengine", sum(len(o.outputs[0].token_ids) for o in outputs), seconds), steps
 
 
 def record_steps(llm: LLM) -> list[Step]:
-    """From now on, note the shape of each step the model runner executes (for the roofline)."""
-    runner = llm.llm_engine.model_runner
-    execute, steps = runner.execute, []
+    """From now on, note the shape of each step the executor runs (for the roofline)."""
+    executor = llm.llm_engine.model_executor
+    execute, steps = executor.execute_model, []
 
     def recording_execute(scheduled, *args):
         inputs = StepInputs.of(scheduled)
@@ -142,7 +142,7 @@ def record_steps(llm: LLM) -> list[Step]:
                       for ids, start, samples in zip(inputs.token_ids, inputs.starts, inputs.samples)])
         return execute(scheduled, *args)
 
-    runner.execute = recording_execute
+    executor.execute_model = recording_execute
     return steps
 
 def preset_workload(preset: str, dtype: str | None) -> Workload:

@@ -66,15 +66,15 @@ def show_prefix_hit(llm: LLM, prompt: list[int]) -> None:
 
 
 def show_packing_of_step(llm: LLM, step_number: int) -> None:
-    """Wrap the model runner so that it prints the flat batch of one step before running it."""
-    runner, engine = llm.llm_engine.model_runner, llm.llm_engine
-    execute = runner.execute
+    """Wrap the executor so that it prints the flat batch of one step before running it."""
+    executor, engine = llm.llm_engine.model_executor, llm.llm_engine
+    execute = executor.execute_model
 
     def execute_and_show(step, *args):
         if engine.trace.num_steps == step_number:
-            print_packing(runner, step)
+            print_packing(executor.runner, step)
         return execute(step, *args)
-    runner.execute = execute_and_show
+    executor.execute_model = execute_and_show
 
 
 def print_packing(runner, step) -> None:

@@ -7,9 +7,10 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanoengine.attention import resolve_backend
+from nanoengine.distributed import ENV_VARIABLES, env_rank
 from nanoengine.engine.block_manager import HASH_ALGOS
 from nanoengine.layers.linear import divide
-from nanoengine.sampling_params import check_number
+from nanoengine.sampling_params import check_number, check_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POLICIES = ("fcfs", "priority")
@@ -40,6 +41,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     tensor_parallel_size: int = 1
+    nnodes: int = 1  # nodes the tensor-parallel ranks span; node 0 (the head) runs the engine
+    node_rank: int = 0  # this node's index; nodes 1.. run workers only (`nanoengine serve --headless`)
+    master_addr: str = "127.0.0.1"  # where the head listens for the other ranks
+    master_port: int = 0  # 0 = a free port (one node only)
     max_logprobs: int = 20  # the most logprobs (or prompt_logprobs) a request may ask for, as in vLLM
     trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
     generation_config: str = "auto"  # sampling defaults from: "auto" the model, "vllm" none, or a folder
@@ -114,6 +119,20 @@ class EngineConfig:
     def check_tensor_parallel(self) -> None:
         """Fail here, before any worker process starts, when the model cannot be split evenly."""
         size = self.tensor_parallel_size
+        check_number("nnodes", self.nnodes, int, low=1)
+        check_number("node_rank", self.node_rank, int, low=0, high=self.nnodes - 1)
+        check_number("master_port", self.master_port, int, low=0, high=65535)
+        check_text("master_addr", self.master_addr)
+        if size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({size}) is not divisible by nnodes ({self.nnodes})")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("master_port: with nnodes > 1 every node must be given the head's port")
+        if size > 1 and env_rank() is not None:
+            if self.nnodes > 1:
+                raise ValueError(f"nnodes: the {'/'.join(ENV_VARIABLES)} variables are set (torchrun?), "
+                                 "they place the ranks; leave nnodes and node_rank out")
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"tensor_parallel_size ({size}) must equal WORLD_SIZE ({os.environ['WORLD_SIZE']})")
         if size == 1:
             return
         hf = self.hf_config
@@ -124,11 +143,22 @@ class EngineConfig:
             divide(value, size, name)
         if self.device.startswith("cuda"):
             if self.device != "cuda":
-                raise ValueError(f"with tensor_parallel_size > 1, device must be 'cuda' (rank r runs on cuda:r), "
-                                 f"got {self.device!r}")
-            if torch.cuda.device_count() < size:
-                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
-                                 f"found {torch.cuda.device_count()}")
+                raise ValueError(f"with tensor_parallel_size > 1, device must be 'cuda' (a rank runs on the GPU of "
+                                 f"its place on its node), got {self.device!r}")
+            if torch.cuda.device_count() < self.ranks_per_node:
+                raise ValueError(f"tensor_parallel_size={size} over {self.nnodes} node(s) needs "
+                                 f"{self.ranks_per_node} GPUs per node, found {torch.cuda.device_count()}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def node_ranks(self) -> list[int]:
+        """The ranks this process starts: its node's (the first in itself), or under torchrun its own."""
+        rank = env_rank()
+        if rank is not None and self.tensor_parallel_size > 1:
+            return [rank]
+        return list(range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node))
 
     def resolved_device(self) -> str:
         if self.device == "auto":

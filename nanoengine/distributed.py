@@ -1,18 +1,24 @@
 """Tensor-parallel group helpers: a single process is the group of one.
 
 Layers ask for their rank and the group size here, so the same model code
-runs alone or split over ``torch.distributed`` ranks.
+runs alone or split over ``torch.distributed`` ranks. Ranks meet through a
+TCPStore: rank 0 hosts it (at ``master_addr:master_port``), or, under
+torchrun, its ``env://`` variables say where it is.
 """
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# A rank that waits this long inside a step's collective fails with an error instead of hanging.
-STEP_TIMEOUT = timedelta(minutes=10)
-# Workers wait for the next step for as long as the engine stays open.
+# Joining the group and loading the model: a rank on a slow node may take this long to catch up.
+STARTUP_TIMEOUT = timedelta(minutes=10)
+# Once every rank has loaded, a collective of a step that waits this long fails instead of hanging.
+STEP_TIMEOUT = timedelta(seconds=30)
+# Workers wait for the next step for as long as the engine stays open (their heartbeats end them if it goes).
 IDLE_TIMEOUT = timedelta(days=365)
+ENV_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun's env:// rendezvous
 
 
 def tp_size() -> int:
@@ -46,22 +52,42 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def rank_device(device: str, rank: int, world_size: int) -> torch.device:
-    """On CUDA, rank r of a tensor-parallel group runs on cuda:r; a single rank runs where it was told."""
+def env_rank() -> int | None:
+    """This process's rank when a launcher such as torchrun set the env:// variables, else None."""
+    return int(os.environ["RANK"]) if all(name in os.environ for name in ENV_VARIABLES) else None
+
+
+def rank_device(device: str, rank: int, world_size: int, ranks_per_node: int) -> torch.device:
+    """On CUDA, a rank of a group runs on the GPU of its place on its node; a single rank runs where it was told."""
     if world_size == 1 or device == "cpu":
         return torch.device(device)
-    return torch.device("cuda", rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank)) if env_rank() is not None else rank % ranks_per_node
+    return torch.device("cuda", local_rank)
+
+
+def connect_store(master_addr: str, port: int, rank: int, world_size: int) -> dist.Store:
+    """The store the ranks meet in: rank 0 hosts it (port 0: the OS picks one), the others connect to it."""
+    if env_rank() is not None:
+        store, _, _ = next(dist.rendezvous("env://", timeout=STARTUP_TIMEOUT))
+        return store
+    return dist.TCPStore(master_addr, port, world_size, is_master=rank == 0, wait_for_workers=False,
+                         timeout=STARTUP_TIMEOUT)
 
 
 def init_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
     """Join the tensor-parallel group as the default group; returns a gloo group for the step messages."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT,
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT,
                                 device_id=device)
     else:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=STEP_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=STARTUP_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def start_stepping() -> None:
+    """Every rank has loaded: from now on a collective fails after STEP_TIMEOUT."""
+    dist.distributed_c10d._set_pg_timeout(STEP_TIMEOUT)
 
 
 def destroy_group() -> None:

@@ -79,8 +79,8 @@ def test_two_engines_in_one_process_share_no_attention_backend(sharp_tiny_model)
     try:
         for llm in llms:
             llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)  # two decodes: one kernel call
-        backends = [next(m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, Attention)).backend
-                    for llm in llms]
+        backends = [next(m for m in llm.llm_engine.model_executor.runner.model.modules()
+                         if isinstance(m, Attention)).backend for llm in llms]
     finally:
         for llm in llms:
             llm.close()

@@ -57,7 +57,7 @@ def prefill_then_decode_step(runner, context_lens: list[int]) -> StepInputs:
 @torch.inference_mode()
 def test_padded_buffers_give_the_same_hidden_states_and_store_no_padding(tiny_qwen3):
     with LLM(tiny_qwen3, device="cpu", max_model_len=64, num_kvcache_blocks=32) as llm:
-        runner = llm.llm_engine.model_runner
+        runner = llm.llm_engine.model_executor.runner
         step = prefill_then_decode_step(runner, [5, 17, 33])
         input_ids, positions, meta, _ = runner.prepare_inputs(step)
         eager = runner.model(input_ids, positions, meta)
@@ -89,7 +89,7 @@ def test_cuda_graphs_match_eager_token_for_token(tiny_qwen3, dtype):
     outputs = {}
     for eager in (True, False):
         with LLM(tiny_qwen3, dtype=dtype, max_model_len=256, max_num_seqs=40, enforce_eager=eager) as llm:
-            graphs = llm.llm_engine.model_runner.decode_graphs
+            graphs = llm.llm_engine.model_executor.runner.decode_graphs
             assert (graphs is None) == eager
             replays = count_replays(graphs) if graphs else None
             outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

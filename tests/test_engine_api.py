@@ -252,7 +252,7 @@ def test_unwritten_kv_slots_never_reach_the_output(folder, hf_model):
     """The CPU cache is allocated with empty(), so a slot holds garbage (even NaN) until it is written."""
     prompts = [PROMPT, OTHER_PROMPTS[0], OTHER_PROMPTS[2]]
     with LLM(folder, max_model_len=64, kvcache_block_size=4, num_kvcache_blocks=24) as llm:
-        llm.llm_engine.model_runner.kv_cache.fill_(float("nan"))
+        llm.llm_engine.model_executor.runner.kv_cache.fill_(float("nan"))
         outputs = llm.generate(prompts, greedy(8), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, 8) for p in prompts]
 

@@ -288,7 +288,7 @@ def test_hits_stay_exact_when_block_hashes_collide(engines, run_alone, two_bit_h
 def run_workload(engine, run_alone, workload: dict) -> None:
     engine.reset_prefix_cache()
     # A slot is read only after it is written: NaN anywhere else would show up in the outputs.
-    engine.model_runner.kv_cache.fill_(float("nan"))
+    engine.model_executor.runner.kv_cache.fill_(float("nan"))
     run = Workload(engine)
     try:
         for round_ in workload["rounds"]:

@@ -42,8 +42,8 @@ def generate(folder: str, prompts, params, **options):
 
 
 def record_runs(llm: LLM) -> list[tuple[str, list[int]]]:
-    runner, runs = llm.llm_engine.model_runner, []
-    execute = runner.execute
+    executor, runs = llm.llm_engine.model_executor, []
+    execute = executor.execute_model
 
     def recording_execute(*args):
         result = execute(*args)
@@ -51,7 +51,7 @@ def record_runs(llm: LLM) -> list[tuple[str, list[int]]]:
                     if n)
         return result
 
-    runner.execute = recording_execute
+    executor.execute_model = recording_execute
     return runs
 
 

@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
 from nanoengine.engine.model_runner import StepInputs
-from nanoengine.engine.tp_worker import StepDecoder, StepEncoder
+from nanoengine.engine.worker import StepDecoder, StepEncoder
 
 # Top logprobs too: the tiny Qwen3 (tied random embeddings) repeats one token, so its tokens alone prove little.
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
@@ -53,7 +53,7 @@ def generate_twice(llm: LLM) -> tuple[list[list[int]], list[float]]:
 
 
 def workers_of(llm: LLM) -> list:
-    return llm.llm_engine.model_runner.workers.processes
+    return list(llm.llm_engine.model_executor.health.processes.values())
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -123,7 +123,7 @@ import sys
 from nanoengine import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kvcache_blocks=8)
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-print(llm.llm_engine.model_runner.workers.processes[0].pid, flush=True)
+print(llm.llm_engine.model_executor.health.processes[1].pid, flush=True)
 """
 
 

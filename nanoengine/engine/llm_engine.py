@@ -11,12 +11,12 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
+from nanoengine.engine.executor import make_executor
 from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.spec_decode import DraftLength, propose_ngram
 from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager, grammar_prefix
-from nanoengine.engine.tp_worker import start_model_runner
 from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams, check_number, check_text, field_error
@@ -28,8 +28,8 @@ STEP_HISTORY = 10_000  # steps whose (running, waiting, kv usage) the stats keep
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.init_request_checks(config)
-        self.model_runner = start_model_runner(config)
-        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
+        self.model_executor = make_executor(config)
+        self.block_manager = BlockManager(self.model_executor.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(config, self.block_manager)
         self.fit_max_model_len_to_kv_cache()
@@ -202,7 +202,7 @@ class LLMEngine:
         del self.requests[request.request_id]
         self.detokenizers.pop(request.request_id, None)
         self.sent_offsets.pop(request.request_id, None)
-        self.model_runner.finish_request(request.request_id)
+        self.model_executor.finish_request(request.request_id)
         parent = request.parent
         if parent is not None and all(child.is_finished for child in parent.children):
             self.parents.pop(parent.request_id, None)  # its last child is done, or aborted by its own id
@@ -224,7 +224,7 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.log(scheduled)
         try:
-            result = self.model_runner.execute(scheduled, self.grammar_bitmask(scheduled))
+            result = self.model_executor.execute_model(scheduled, self.grammar_bitmask(scheduled))
         except Exception as error:
             result, failed = self.execute_one_by_one(scheduled, error)
             for request in failed:
@@ -245,13 +245,13 @@ class LLMEngine:
 
         No request has advanced yet, and a rerun writes the same KV slots again, so each rerun is a plain step of
         its one request. A tensor-parallel step that fails has stopped its workers: there is nothing to rerun on."""
-        if self.model_runner.workers is not None:
+        if not self.model_executor.can_rerun_steps:
             raise error
         merged, failed = StepResult([], [], [], []), []  # logprobs: its rows, or None, per request
         for request, num_new, drafts in list(zip(scheduled.requests, scheduled.num_new_tokens, scheduled.drafts)):
             alone = SchedulerOutput([request], [num_new], drafts=[drafts])
             try:
-                result = self.model_runner.execute(alone, self.grammar_bitmask(alone))
+                result = self.model_executor.execute_model(alone, self.grammar_bitmask(alone))
             except Exception as own_error:
                 logger.exception("request %s failed in a step and ends with an error", request.request_id)
                 scheduled.remove(request)
@@ -469,4 +469,4 @@ class LLMEngine:
     def close(self) -> None:
         """Drop every request and release the model and its KV cache."""
         self.abort_request(list(self.parents) + list(self.requests))
-        self.model_runner.close()
+        self.model_executor.close()

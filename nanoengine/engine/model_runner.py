@@ -9,7 +9,6 @@ and for the prompt rows of requests that ask for prompt logprobs.
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,9 +27,6 @@ from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, 
 from nanoengine.models import model_class_for
 from nanoengine.utils.cpu_memory import keep_freed_memory
 from nanoengine.utils.loader import load_model
-
-if TYPE_CHECKING:
-    from nanoengine.engine.tp_worker import TensorParallelWorkers
 
 
 @dataclass
@@ -84,12 +80,11 @@ def prompt_rows(request: Request, start: int, num_new: int) -> tuple[int, int]:
 
 
 class ModelRunner:
-    """Rank 0's runner also samples and, with tensor parallelism, drives the other ranks through ``workers``."""
+    """One rank's shard of the model and of the KV cache; rank 0's runner also samples."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, workers: "TensorParallelWorkers | None" = None):
+    def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
-        self.workers = workers
-        self.device = rank_device(config.device, rank, config.tensor_parallel_size)
+        self.device = rank_device(config.device, rank, config.tensor_parallel_size, config.ranks_per_node)
         self.block_size = config.kvcache_block_size
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -182,21 +177,13 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
         self.decode_graphs = None
-        if self.workers is not None:
-            self.workers.close()
-
-    def finish_request(self, request_id: str) -> None:
-        """The request is done or aborted: the workers drop their copy of its block table."""
-        if self.workers is not None:
-            self.workers.finish_request(request_id)
 
     # One step ------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None) -> StepResult:
-        """Run the model on one step and sample; ``grammar_bitmask`` constrains the structured requests' rows."""
-        inputs = StepInputs.of(step)
-        logits = self.forward(inputs) if self.workers is None else self.workers.run_step(inputs, self.forward)
+    def sample_step(self, step: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor,
+                    grammar_bitmask: GrammarBitmask | None = None) -> StepResult:
+        """Sample the step from the logits ``forward`` gave for ``inputs``; ``grammar_bitmask`` constrains the
+        structured requests' rows."""
         sampling = [(r, d) for r, d, samples in zip(step.requests, step.drafts, inputs.samples) if samples]
         num_rows = sum(1 + len(d) for _, d in sampling)
         logits = logits.float()
