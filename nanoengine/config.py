@@ -149,6 +149,13 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size={size} over {self.nnodes} node(s) needs "
                                  f"{self.ranks_per_node} GPUs per node, found {torch.cuda.device_count()}")
 
+    def group_options(self) -> dict:
+        """What every rank of a tensor-parallel group must agree on: the options (less where a node finds the
+        model and the head) and the model's config.json."""
+        node_local = {"model", "tokenizer", "node_rank", "master_addr", "master_port"}
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in node_local}
+        return options | {"config.json": {k: v for k, v in self.hf_config.to_dict().items() if k != "_name_or_path"}}
+
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes

@@ -74,6 +74,11 @@ def connect_store(master_addr: str, port: int, rank: int, world_size: int) -> di
                          timeout=STARTUP_TIMEOUT)
 
 
+def another_client(store: dist.TCPStore) -> dist.TCPStore:
+    """A connection of its own for a thread: its calls never queue behind a blocking wait of the main thread's."""
+    return dist.TCPStore(store.host, store.port, is_master=False, timeout=STARTUP_TIMEOUT)
+
+
 def init_group(store: dist.Store, rank: int, world_size: int, device: torch.device) -> dist.ProcessGroup:
     """Join the tensor-parallel group as the default group; returns a gloo group for the step messages."""
     if device.type == "cuda":

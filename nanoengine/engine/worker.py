@@ -13,9 +13,12 @@ store is gone (its head died), when the head gives up on the group, or when
 the process that started it dies: nothing is left orphaned.
 """
 
+import contextlib
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import threading
 from typing import NamedTuple
 
@@ -24,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from nanoengine.config import EngineConfig
-from nanoengine.distributed import connect_store, destroy_group, init_group, rank_device, start_stepping
+from nanoengine.distributed import another_client, connect_store, destroy_group, init_group, rank_device, start_stepping
 from nanoengine.engine.model_runner import ModelRunner, StepInputs
 
 HEARTBEAT_INTERVAL_S = 0.5
@@ -34,6 +37,10 @@ JOIN_TIMEOUT_S = 30  # how long a closing node waits for a worker to exit before
 
 def heartbeat_key(rank: int) -> str:
     return f"nanoengine/heartbeat/{rank}"
+
+
+def options_key(rank: int) -> str:
+    return f"nanoengine/options/{rank}"
 
 
 class RequestDelta(NamedTuple):
@@ -145,8 +152,9 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     """Join the group, build this rank's shard, run every step rank 0 sends until None."""
     world_size = config.tensor_parallel_size
     store = connect_store(config.master_addr, port, rank, world_size)
+    store.set(options_key(rank), pickle.dumps(config.group_options()))  # rank 0 checks them before going on
     stopping = threading.Event()
-    threading.Thread(target=send_heartbeats, args=(store, rank, stopping), daemon=True,
+    threading.Thread(target=send_heartbeats, args=(another_client(store), rank, stopping), daemon=True,
                      name="nanoengine-heartbeat").start()
     device = rank_device(config.device, rank, world_size, config.ranks_per_node)
     if device.type == "cpu":  # the node's ranks share its cores
@@ -178,6 +186,8 @@ def send_heartbeats(store: dist.Store, rank: int, stopping: threading.Event) -> 
         except Exception:  # rank 0 hosts the store (torchrun: its agent): it is unreachable
             head_is_gone = True
         if (head_is_gone or (parent is not None and not parent.is_alive())) and not stopping.is_set():
+            with contextlib.suppress(Exception):
+                print(f"nanoengine: rank {rank} exits: {store.get(GIVE_UP_KEY).decode()}", file=sys.stderr, flush=True)
             os._exit(1)  # the main thread may sit in a collective that will never complete
         if stopping.wait(HEARTBEAT_INTERVAL_S):
             return

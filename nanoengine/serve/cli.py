@@ -22,6 +22,8 @@ import uvicorn
 
 from nanoengine import prefix_report
 from nanoengine.config import EngineConfig
+from nanoengine.distributed import env_rank
+from nanoengine.engine.worker import run_node
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
 from nanoengine.serve.metrics import Metrics
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="refuse (413) a request body larger than this (default: 4 MiB)")
+    parser.add_argument("--headless", action="store_true",
+                        help="with --nnodes N --node-rank R > 0: run this node's tensor-parallel workers, no HTTP")
     add_engine_flags(parser)
     return parser
 
@@ -102,7 +106,21 @@ def serve(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
+    if args.headless or config.node_ranks()[0] != 0:
+        return run_headless(parser, args, config)
     return asyncio.run(run_server(args, config))
+
+
+def run_headless(parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig) -> int:
+    """A node other than the head: its tensor-parallel workers run until the head closes them (or dies)."""
+    if config.node_ranks()[0] == 0:
+        parser.error("--headless runs the workers of a node other than the head: give --nnodes N --node-rank R, "
+                     "R > 0 (node 0 runs the engine and the server)")
+    if not args.headless and env_rank() is None:
+        parser.error(f"--node-rank {config.node_rank} runs only this node's workers: add --headless")
+    logger.info("running tensor-parallel rank(s) %s; node 0 runs the engine", config.node_ranks())
+    run_node(config)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,150 @@
+"""Multi-node tensor parallelism, two nodes simulated on this machine: the head is this process, node 1 a
+`nanoengine serve --headless` process joining it over TCP on 127.0.0.1 (gloo)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from conftest import build_tiny_model
+from test_tensor_parallel import GREEDY, PROMPTS, SMALL_ENGINE, raised_within
+
+from nanoengine import LLM
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir) -> str:
+    folder = str(tmp_path_factory.mktemp("multinode-llama"))
+    build_tiny_model("llama", folder, smollm2_dir)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(tiny_dir) -> list[list[int]]:
+    with LLM(tiny_dir, **SMALL_ENGINE) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags() -> list[str]:
+    return [f"--{name.replace('_', '-')}={value}" for name, value in SMALL_ENGINE.items()]
+
+
+def start_node(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """A real `nanoengine serve` process (one torch thread, as the head's ranks here)."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO} | (env or {})
+    return subprocess.Popen([sys.executable, "-m", "nanoengine.serve", *engine_flags(), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def headless_node(model: str, port: int, *more_flags: str) -> subprocess.Popen:
+    return start_node([model, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                       "--master-addr", "127.0.0.1", "--master-port", str(port), "--headless", *more_flags])
+
+
+def head(model: str, port: int) -> LLM:
+    return LLM(model, tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
+               **SMALL_ENGINE)
+
+
+def exit_code_within(process: subprocess.Popen, timeout_s: float) -> int:
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"node still running {timeout_s} s after the head closed: orphaned\n{process.communicate()[0]}")
+
+
+def test_two_nodes_give_the_same_tokens_as_one(tiny_dir, expected_tokens):
+    port = free_port()
+    node = headless_node(tiny_dir, port)
+    with head(tiny_dir, port) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert tokens == expected_tokens
+    assert exit_code_within(node, 30) == 0, node.communicate()[0]  # asked to stop, not killed
+    assert not dist.is_initialized()
+
+
+def test_killed_node_fails_the_head_within_seconds_naming_the_rank(tiny_dir, monkeypatch):
+    port = free_port()
+    node = headless_node(tiny_dir, port)
+    with head(tiny_dir, port) as llm:
+        engine, steps_run = llm.llm_engine, []
+        step = engine.step
+
+        def step_killing_node_1_before_the_third():
+            if len(steps_run) == 2:
+                node.send_signal(signal.SIGKILL)
+                steps_run.append(time.monotonic())
+            steps_run.append(None)
+            return step()
+
+        monkeypatch.setattr(engine, "step", step_killing_node_1_before_the_third)
+        error = raised_within(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False), timeout_s=60)
+        seconds = time.monotonic() - steps_run[2]
+        assert isinstance(error, RuntimeError) and "rank 1" in str(error), error
+        assert seconds < 15, f"the head took {seconds:.1f} s to fail"
+        with pytest.raises(RuntimeError, match="broken"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert not dist.is_initialized()
+
+
+def test_a_node_started_with_other_options_is_refused(tiny_dir):
+    port = free_port()
+    node = headless_node(tiny_dir, port, "--max-model-len", "64")
+    with pytest.raises(ValueError, match=r"rank 1 .* differ from the head's: max_model_len 64 \(the head's: 128\)"):
+        head(tiny_dir, port)
+    assert exit_code_within(node, 15) != 0
+    assert "differ from the head's" in node.communicate()[0]  # the node says why it ends
+    assert not dist.is_initialized()
+
+
+HEAD_THAT_HANGS = """
+import sys, time
+from nanoengine import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=int(sys.argv[2]),
+          **SMALL_ENGINE)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+print("generated", flush=True)
+time.sleep(600)
+""".replace("SMALL_ENGINE", repr(SMALL_ENGINE))
+
+
+def test_headless_node_exits_when_the_head_dies(tiny_dir):
+    port = free_port()
+    node = headless_node(tiny_dir, port)
+    head_process = subprocess.Popen([sys.executable, "-c", HEAD_THAT_HANGS, tiny_dir, str(port)], cwd=REPO,
+                                    stdout=subprocess.PIPE, text=True)
+    try:
+        assert head_process.stdout.readline() == "generated\n"
+        head_process.kill()
+        assert exit_code_within(node, 15) != 0
+    finally:
+        head_process.kill()
+        node.kill()
+
+
+def test_env_launch_as_torchrun_does_it(tiny_dir, expected_tokens, monkeypatch):
+    """Every rank is its own process, placed by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT: rank 1's
+    `nanoengine serve` runs only its worker."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    node = start_node([tiny_dir, "--tensor-parallel-size", "2"], env | {"RANK": "1", "LOCAL_RANK": "1"})
+    for name, value in (env | {"RANK": "0", "LOCAL_RANK": "0"}).items():
+        monkeypatch.setenv(name, value)
+    with LLM(tiny_dir, tensor_parallel_size=2, **SMALL_ENGINE) as llm:
+        assert llm.llm_engine.model_executor.health.processes == {}  # rank 0 started no process
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert tokens == expected_tokens
+    assert exit_code_within(node, 30) == 0, node.communicate()[0]
