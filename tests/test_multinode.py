@@ -14,6 +14,7 @@ from conftest import build_tiny_model
 from test_tensor_parallel import GREEDY, PROMPTS, SMALL_ENGINE, raised_within
 
 from nanoengine import LLM
+from nanoengine.serve.cli import serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,3 +149,24 @@ def test_env_launch_as_torchrun_does_it(tiny_dir, expected_tokens, monkeypatch):
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert tokens == expected_tokens
     assert exit_code_within(node, 30) == 0, node.communicate()[0]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(nnodes=2, node_rank=1, master_port=29400), "runs only the workers of its node: .* --headless"),
+    (dict(nnodes=2), "master_port: with nnodes > 1"),
+    (dict(nnodes=2, node_rank=2, master_port=29400), r"node_rank must be in \[0, 1\]"),
+    (dict(tensor_parallel_size=3, nnodes=2, master_port=29400), r"tensor_parallel_size \(3\) is not divisible by nn"),
+])
+def test_wrong_node_options_fail_before_any_process_starts(tiny_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_dir, **{"tensor_parallel_size": 2} | options)
+    assert not dist.is_initialized()
+
+
+def test_headless_without_a_node_other_than_the_head_is_refused(tiny_dir, capsys):
+    with pytest.raises(SystemExit):
+        serve([tiny_dir, "--tensor-parallel-size", "2", "--headless"])
+    assert "--headless runs the workers of a node other than the head" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve([tiny_dir, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29400"])
+    assert "add --headless" in capsys.readouterr().err
