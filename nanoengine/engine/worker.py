@@ -159,13 +159,15 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     device = rank_device(config.device, rank, world_size, config.ranks_per_node)
     if device.type == "cpu":  # the node's ranks share its cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.ranks_per_node))
-    control_group = init_group(store, rank, world_size, device)
-    runner = ModelRunner(config, rank)
-    start_stepping()
-    decoder = StepDecoder()
-    while (message := receive_step(control_group)) is not None:
-        runner.forward(decoder.decode(message))
-    stopping.set()
+    try:
+        control_group = init_group(store, rank, world_size, device)
+        runner = ModelRunner(config, rank)
+        start_stepping()
+        decoder = StepDecoder()
+        while (message := receive_step(control_group)) is not None:
+            runner.forward(decoder.decode(message))
+    finally:
+        stopping.set()  # no more heartbeats: a rank that failed is silent at once, even if its exit is slow
     runner.close()
     destroy_group()
 
