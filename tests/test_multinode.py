@@ -170,3 +170,37 @@ def test_headless_without_a_node_other_than_the_head_is_refused(tiny_dir, capsys
     with pytest.raises(SystemExit):
         serve([tiny_dir, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29400"])
     assert "add --headless" in capsys.readouterr().err
+
+
+def test_a_killed_node_takes_the_workers_it_started_with_it(tmp_path, smollm2_dir):
+    """Four ranks over two nodes: node 1 runs rank 2 itself and rank 3 as its child, which sees it die."""
+    build_tiny_model("llama", tmp_path, smollm2_dir, num_key_value_heads=4)
+    port = free_port()
+    node = start_node([str(tmp_path), "--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+                       "--master-addr", "127.0.0.1", "--master-port", str(port), "--headless"])
+    with LLM(str(tmp_path), tensor_parallel_size=4, nnodes=2, master_addr="127.0.0.1", master_port=port,
+             **SMALL_ENGINE) as llm:
+        assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 20
+        rank_3 = children_of(node.pid)
+        node.kill()
+        node.wait()
+        deadline = time.monotonic() + 10
+        while any(is_running(pid) for pid in rank_3) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(is_running(pid) for pid in rank_3), "node 1's own worker outlived it"
+        with pytest.raises(RuntimeError, match="rank 2 .*, rank 3 "):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def children_of(pid: int) -> list[int]:
+    done = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(child) for child in done.stdout.split()]
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper that a container may lack)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -180,8 +180,10 @@ class GroupHealth:
         return "tensor-parallel " + ", ".join(dead) if dead else None
 
     def wait_for_dead_rank(self, timeout_s: float) -> str | None:
-        """After a failed collective: a rank that died stops beating at once, so a short silence names it."""
+        """After a failed collective: a rank that died stops beating at once, so a short silence names it. That
+        silence is waited out first, so that the ranks that died are named along with those that failed after."""
         deadline = time.monotonic() + timeout_s
+        time.sleep(min(timeout_s, FAILED_STEP_SILENCE_S + worker.HEARTBEAT_INTERVAL_S))
         while not self.dead_ranks(FAILED_STEP_SILENCE_S) and time.monotonic() < deadline:
             multiprocessing.connection.wait([p.sentinel for p in self.processes.values()], 0.1)
         return self.dead_ranks(FAILED_STEP_SILENCE_S)

@@ -13,13 +13,13 @@ store is gone (its head died), when the head gives up on the group, or when
 the process that started it dies: nothing is left orphaned.
 """
 
-import contextlib
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import threading
+import traceback
 from typing import NamedTuple
 
 import torch
@@ -166,8 +166,12 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
         decoder = StepDecoder()
         while (message := receive_step(control_group)) is not None:
             runner.forward(decoder.decode(message))
-    finally:
-        stopping.set()  # no more heartbeats: a rank that failed is silent at once, even if its exit is slow
+    except BaseException:
+        print(f"nanoengine: tensor-parallel rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # at once: a broken group's teardown may wait on dead ranks, while this one's heart beats on
+    stopping.set()
     runner.close()
     destroy_group()
 
@@ -184,12 +188,13 @@ def send_heartbeats(store: dist.Store, rank: int, stopping: threading.Event) -> 
     while True:
         try:
             store.add(heartbeat_key(rank), 1)
-            head_is_gone = store.check([GIVE_UP_KEY])
-        except Exception:  # rank 0 hosts the store (torchrun: its agent): it is unreachable
-            head_is_gone = True
-        if (head_is_gone or (parent is not None and not parent.is_alive())) and not stopping.is_set():
-            with contextlib.suppress(Exception):
-                print(f"nanoengine: rank {rank} exits: {store.get(GIVE_UP_KEY).decode()}", file=sys.stderr, flush=True)
+            why = store.get(GIVE_UP_KEY).decode() if store.check([GIVE_UP_KEY]) else None
+        except Exception:  # rank 0 hosts the store (torchrun: its agent)
+            why = "the head is gone (its store cannot be reached)"
+        if why is None and parent is not None and not parent.is_alive():
+            why = "the process that started it is gone"
+        if why and not stopping.is_set():
+            print(f"nanoengine: tensor-parallel rank {rank} exits: {why}", file=sys.stderr, flush=True)
             os._exit(1)  # the main thread may sit in a collective that will never complete
         if stopping.wait(HEARTBEAT_INTERVAL_S):
             return
