@@ -123,3 +123,18 @@ def test_spec_preset_reports_both_runs_per_level_and_the_random_workload(tiny_qw
     bench.print_table(report)
     assert "random tokens" in capsys.readouterr().out
     json.dumps(report)
+
+
+def test_serve_table_puts_both_engines_side_by_side_with_higher_is_better_ratios(capsys):
+    from benchmarks.serve import SERVE_MEASURES, print_serve_table
+
+    def run(engine, scale):  # vLLM's times are half ours, its throughput twice ours
+        times = {key: 10.0 * scale for _, key, higher_better in SERVE_MEASURES if not higher_better}
+        return {"engine": engine, "dtype": "float32", "load": "light", "request_rate": 1.0, "num_requests": 8,
+                "output_token_throughput": 100.0 / scale} | times
+
+    print_serve_table({"device": "cpu", "model": "m", "runs": [run("nanoengine", 1.0), run("vLLM", 0.5)]})
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32")]
+    assert len(rows) == len(SERVE_MEASURES)
+    assert all(row.split()[-3:] == ["10.0", "5.0", "0.50x"] for row in rows if "ms" in row)
+    assert next(row for row in rows if "tok/s" in row).split()[-3:] == ["100.0", "200.0", "0.50x"]
