@@ -28,6 +28,9 @@ from nanoengine.serve.metrics import Metrics
 from nanoengine.utils.default_model import default_model_path
 
 ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
+# vLLM's server defaults on the CPU, below LLM's: with a smaller step budget a burst of prompts is
+# prefilled in shorter steps, so the first tokens come out one chunk after another instead of together.
+CPU_SERVER_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -99,10 +102,15 @@ def serve(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
     try:
-        config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
+        config = server_config(args.model or default_model_path(), engine_options(args))
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
     return asyncio.run(run_server(args, config))
+
+
+def server_config(model: str, options: dict) -> EngineConfig:
+    config = EngineConfig.from_options(model, options)
+    return EngineConfig.from_options(model, CPU_SERVER_DEFAULTS | options) if config.device == "cpu" else config
 
 
 def main(argv: list[str] | None = None) -> int:
