@@ -138,12 +138,12 @@ class EngineCoreClient:
                        for name, value in self.expected.items() if hello.fingerprint.get(name) != value]
         if core is None:
             why = f"rank {hello.rank} is outside this server's data_parallel_size={len(self.cores)}"
+        elif differences:
+            why = "it runs another model or config: " + "; ".join(differences)
         elif core.process is not None and core.identity is not None:
             why = f"rank {hello.rank} is one of this server's own local cores"
         elif core.identity is not None and not core.dead:
             why = f"rank {hello.rank} is already served by another engine core"
-        elif differences:
-            why = "it runs another model or config: " + "; ".join(differences)
         else:
             core.identity, core.connection, core.dead, core.ready = identity, connection, None, False
             await self.socket.send_multipart([identity, pickle.dumps(None)])
@@ -223,7 +223,7 @@ class EngineCoreClient:
                 self.socket.send_multipart([core.identity, pickle.dumps([request.request_id])])
 
     def health(self) -> list[dict]:
-        return [{"rank": core.rank, "state": core.state, "local": core.process is not None,
+        return [{"rank": core.rank, "state": core.state, "pid": core.process and core.process.pid,
                  "num_requests": len(core.request_ids), **({"why": core.dead} if core.dead else {})}
                 for core in self.cores]
 
