@@ -89,13 +89,14 @@ async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: 
     return report | await shared_system_prompt_twice(client, url)
 
 
-async def stream_one(client, prompt: list[int] | str, max_tokens: int) -> tuple[float, list[float], float, int]:
+async def stream_one(client, prompt: list[int] | str, max_tokens: int,
+                     cache_salt: str | None = None) -> tuple[float, list[float], float, int]:
     """One streamed greedy completion: (TTFT, inter-chunk gaps, latency, output tokens)."""
     start = time.perf_counter()
     chunk_times, num_tokens = [], 0
     stream = await client.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+                                             extra_body={"ignore_eos": True, "cache_salt": cache_salt})
     async for chunk in stream:
         if chunk.choices:
             chunk_times.append(time.perf_counter())

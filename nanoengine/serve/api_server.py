@@ -99,6 +99,7 @@ class OpenAIServer:
         last_token_time = None
         try:
             async for engine, output in self.client.generate(request):
+                output.prompt_token_ids = request.prompt_token_ids  # the engine core leaves them out
                 self.metrics.record_output(engine, output, last_token_time)
                 last_token_time = output.metrics.last_token_time
                 yield output

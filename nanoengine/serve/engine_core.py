@@ -154,6 +154,8 @@ def serve_forever(engine: LLMEngine, socket: zmq.Socket, front_watch, front_gone
         while socket.poll(0):
             refused.update(handle(engine, socket.recv_pyobj()))
         step_outputs = engine.step() if engine.has_unfinished_requests() else []
+        for output in step_outputs:  # the front has them: not worth resending each step (and node to node)
+            output.prompt_token_ids = None
         stats = engine.stats()
         stats.step_history = []  # the front needs only the current figures
         socket.send_pyobj(EngineCoreOutputs(step_outputs, stats, refused))
