@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.common import device_name, model_for, on_gpu, percentile
 from benchmarks.serve import running_server, stream_one
 
-TENANTS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 8, 256, 16, 8
-BLOCKS_PER_CORE = 80  # 16 blocks per system prompt: about 4 tenants' and the running requests'
-DEFAULT_RATE = 2.0  # requests per second when --request-rate is not given
+TENANTS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 4, 256, 16, 8
+BLOCKS_PER_CORE = 40  # 16 blocks per system prompt: two tenants' and a few running requests' own blocks
+DEFAULT_RATE = 1.5  # requests per second when --request-rate is not given
 RUNS = (("DP=1 (2 threads)", 1, "prefix"), ("DP=2 prefix-aware", 2, "prefix"),
         ("DP=2 least-loaded", 2, "least-loaded"), ("DP=2 round-robin", 2, "round-robin"))
 
@@ -44,7 +44,7 @@ def serve_dp_preset(args) -> dict:
     requests = tenant_requests(args.num_prompts)
     runs = []
     for name, size, routing in RUNS:
-        flags = ("--max-model-len", "1024", "--num-kvcache-blocks", str(BLOCKS_PER_CORE * 2 // size),
+        flags = ("--max-model-len", "512", "--num-kvcache-blocks", str(BLOCKS_PER_CORE * 2 // size),
                  "--data-parallel-size", str(size), "--data-parallel-routing", routing)
         with running_server(model, *flags, log=sys.stderr) as (_, url):  # stdout holds only the report
             runs.append({"name": name} | asyncio.run(run_tenants(url, requests, rate)))

@@ -75,20 +75,26 @@ def test_shared_prefix_requests_land_on_the_same_core_and_other_salts_route_apar
     async def tenant_requests():
         long_a = asyncio.create_task(client.completions.create(
             model=None, prompt=system + [1], max_tokens=440, extra_body={"cache_salt": "a", "ignore_eos": True}))
-        await asyncio.to_thread(wait_for, lambda: per_engine(dp_server, "nanoengine:num_requests_running").get("0"),
-                                "tenant a's long request to run on core 0")  # core 1 is now the least loaded
+        await asyncio.to_thread(wait_for, lambda: running_core(dp_server),
+                                "tenant a's long request to run")  # the other core is now the least loaded
+        a_core = running_core(dp_server)
         second_a = await client.completions.create(model=None, prompt=system + [2], max_tokens=2,
                                                    extra_body={"cache_salt": "a"})
         other_tenant = await client.completions.create(model=None, prompt=system + [2], max_tokens=2,
                                                        extra_body={"cache_salt": "b"})
-        return await long_a, second_a, other_tenant
+        return await long_a, second_a, other_tenant, a_core
 
-    _, second_a, other_tenant = asyncio.run(tenant_requests())
+    _, second_a, other_tenant, a_core = asyncio.run(tenant_requests())
     prompt_tokens = per_engine(dp_server, "nanoengine:prompt_tokens_total")
     assert second_a.usage.prompt_tokens_details.cached_tokens == 64  # it went where tenant a's prefix is
     assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
-    # a's two prompts on core 0, b's on core 1
-    assert {e: n - before.get(e, 0) for e, n in prompt_tokens.items()} == {"0": 130, "1": 65}
+    # a's two prompts on a's core, b's on the other
+    assert {e: n - before.get(e, 0) for e, n in prompt_tokens.items()} == {a_core: 130, str(1 - int(a_core)): 65}
+
+
+def running_core(url: str) -> str | None:
+    """The engine core that runs a request now (the first, if several do)."""
+    return next((e for e, n in sorted(per_engine(url, "nanoengine:num_requests_running").items()) if n), None)
 
 
 def stream_events(client: OpenAI, prompt: str, max_tokens: int) -> list:
@@ -134,15 +140,20 @@ def test_killing_one_core_fails_its_requests_and_the_other_keeps_serving_with_no
     wait_for(lambda: not any(alive(pid) for pid in family), "the dead core's processes to end")
 
 
-def headless_core(model: str, address: str, *flags: str) -> subprocess.Popen:
+def headless_core(model: str, address: str, *flags: str, stderr=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nanoengine.serve", model, "--headless", "--data-parallel-rank",
-                             "1", "--data-parallel-address", address, *flags], stderr=subprocess.PIPE, text=True)
+                             "1", "--data-parallel-address", address, *flags], stderr=stderr, text=True)
 
 
-def test_a_headless_core_joins_and_serves_and_a_mismatched_one_is_refused(sharp_tiny_model):
+def status(url: str) -> str:
+    return httpx.get(f"{url}/health").json()["status"]
+
+
+def test_a_headless_core_joins_serves_and_rejoins_and_a_mismatched_one_is_refused(sharp_tiny_model):
     model, address = sharp_tiny_model[0], f"127.0.0.1:{free_port()}"
-    mismatched = headless_core(model, address, "--max-model-len", "128", "--data-parallel-size", "2")
-    joining = headless_core(model, address, *FLAGS)
+    mismatched = headless_core(model, address, "--max-model-len", "128", "--data-parallel-size", "2",
+                               stderr=subprocess.PIPE)
+    cores = [mismatched, headless_core(model, address, *FLAGS)]
     try:
         with running_server(model, *FLAGS, "--data-parallel-address", address) as (_, url):
             assert mismatched.wait(60) == 1
@@ -155,13 +166,21 @@ def test_a_headless_core_joins_and_serves_and_a_mismatched_one_is_refused(sharp_
 
             replies = asyncio.run(two_at_once())
             generated = per_engine(url, "nanoengine:generation_tokens_total")
-        assert joining.wait(60) == 0  # it stops when the front goes away
+            cores[1].kill()
+            wait_for(lambda: status(url) == "degraded", "the server to see rank 1 gone")
+            cores.append(headless_core(model, address, *FLAGS))  # rank 1 again, in a new process
+            wait_for(lambda: status(url) == "ok", "rank 1 to join again")
+            again = asyncio.run(two_at_once())
+            generated_again = per_engine(url, "nanoengine:generation_tokens_total")
+        assert cores[2].wait(60) == 0  # it stops when the front goes away
     finally:
-        for process in (mismatched, joining):
+        for process in cores:
             process.kill()
             process.wait()
     assert [(e["state"], e["pid"] is None) for e in engines] == [("ready", False), ("ready", True)]
     assert [r.usage.completion_tokens for r in replies] == [24, 24] and generated == {"0": 24, "1": 24}
+    assert [r.choices[0].text for r in again] == [r.choices[0].text for r in replies]
+    assert generated_again == {"0": 48, "1": 48}  # the new rank 1 served one of them
     assert "refused this core: it runs another model or config: max_model_len=128 (this server: 512)" in \
         mismatched.stderr.read()
 
@@ -183,6 +202,8 @@ def test_the_router_prefers_the_longest_cached_prefix_within_the_load_margin():
     longer = core(1, cached=chain)
     assert prefix.pick([holder, longer], chain) is longer
     assert prefix.pick([core(0, sent=1), idle], chain) is idle  # nothing cached anywhere: the least loaded
+    other_tenant = core(0, cached=prompt_hashes(list(range(64)), "other", 16, "xxhash"))
+    assert prefix.pick([other_tenant, idle], chain) is idle  # equal loads: the core with room for a new prefix
     assert Router("least-loaded").pick([holder, idle], chain) is idle
     round_robin = Router("round-robin")
     assert [round_robin.pick([holder, idle], chain).rank for _ in range(3)] == [0, 1, 0]

@@ -61,7 +61,8 @@ class Router:
         """The core for a request whose prompt blocks hash to ``hashes``, among the live ``cores``."""
         if self.policy == "round-robin":
             return cores[next(self.turns) % len(cores)]
-        least_loaded = min(cores, key=lambda core: (core.load(), core.rank))
+        # Between equal loads, the core remembering the fewest blocks: a new prefix goes where there is room.
+        least_loaded = min(cores, key=lambda core: (core.load(), len(core.recent_hashes), core.rank))
         if self.policy == "least-loaded":
             return least_loaded
         best = max(cores, key=lambda core: (core.num_cached_blocks(hashes), -core.load(), -core.rank))
