@@ -158,9 +158,9 @@ def test_a_headless_core_joins_serves_and_rejoins_and_a_mismatched_one_is_refuse
         with running_server(model, *FLAGS, "--data-parallel-address", address) as (_, url):
             assert mismatched.wait(60) == 1
             engines = httpx.get(f"{url}/health").json()["engines"]
-            client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
-            async def two_at_once():
+            async def two_at_once():  # a client per event loop: its connections belong to the loop
+                client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
                 return await asyncio.gather(*(client.completions.create(model=None, prompt=p, max_tokens=24,
                                                                         **GREEDY) for p in PROMPTS[:2]))
 
