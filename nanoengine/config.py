@@ -145,6 +145,12 @@ class EngineConfig:
             self.data_parallel_size_local = size if self.data_parallel_address is None else 1
         check_number("data_parallel_size_local", self.data_parallel_size_local, int, low=0, high=size)
         check_number("data_parallel_rank", self.data_parallel_rank, int, low=0, high=size - 1)
+        num_gpus = self.data_parallel_size_local * self.tensor_parallel_size
+        if self.device.startswith("cuda") and self.data_parallel_size_local > 1 and (
+                self.device != "cuda" or torch.cuda.device_count() < num_gpus):
+            raise ValueError(f"{self.data_parallel_size_local} local engine cores of tensor_parallel_size="
+                             f"{self.tensor_parallel_size} need device 'cuda' and {num_gpus} GPUs (core r runs on "
+                             f"GPUs r * TP and up), found {torch.cuda.device_count()}")
         if self.data_parallel_routing not in ROUTINGS:
             raise ValueError(f"data_parallel_routing must be one of {ROUTINGS}, got {self.data_parallel_routing!r}")
         if self.data_parallel_address is not None:

@@ -17,6 +17,7 @@ from test_server import alive, descendants, wait_for
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
+from nanoengine.serve.engine_core import pin_gpus
 from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
 
 MAX_MODEL_LEN = 512
@@ -228,3 +229,14 @@ def test_data_parallel_options_are_checked_and_offline_data_parallelism_is_refus
         EngineConfig(folder, data_parallel_routing="random")
     with pytest.raises(ValueError, match="nanoengine serve --data-parallel-size"):
         LLM(folder, data_parallel_size=2)
+
+
+def test_each_local_core_sees_only_its_own_gpus(sharp_tiny_model, monkeypatch):
+    config = EngineConfig(sharp_tiny_model[0])
+    config.tensor_parallel_size, config.data_parallel_size_local = 2, 2  # as two local cores of TP=2 have them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    pin_gpus(config, 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    pin_gpus(config, 1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"

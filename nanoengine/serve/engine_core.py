@@ -92,6 +92,8 @@ def run_engine_core(config: EngineConfig, address: str, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the front, which then stops this process
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through engine.close() below
     torch.set_num_threads(max(1, torch.get_num_threads() // config.data_parallel_size_local))
+    if config.device.startswith("cuda"):
+        pin_gpus(config, rank)
     context = zmq.Context()
     parent = multiprocessing.parent_process().sentinel
     try:
@@ -100,6 +102,15 @@ def run_engine_core(config: EngineConfig, address: str, rank: int) -> None:
         context.destroy(linger=0)
         if not multiprocessing.parent_process().is_alive():  # a killed front leaves its socket folder behind
             shutil.rmtree(os.path.dirname(address.removeprefix("ipc://")), ignore_errors=True)
+
+
+def pin_gpus(config: EngineConfig, rank: int) -> None:
+    """Local core r sees only its own GPUs, r * TP .. (r + 1) * TP - 1 of those visible, as its cuda:0.. (as vLLM
+    does); set before anything in this process initializes CUDA."""
+    size = config.tensor_parallel_size
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(config.data_parallel_size_local * size)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * size:(rank + 1) * size])
 
 
 def run_headless_core(config: EngineConfig) -> int:
