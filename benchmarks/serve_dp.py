@@ -8,7 +8,6 @@ found over tokens looked up, summed over the cores), TTFT p50/p99 and throughput
 """
 
 import asyncio
-import math
 import random
 import sys
 import time
@@ -21,7 +20,7 @@ from benchmarks.serve import running_server, stream_one
 
 TENANTS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 4, 256, 16, 8
 BLOCKS_PER_CORE = 40  # 16 blocks per system prompt: two tenants' and a few running requests' own blocks
-DEFAULT_RATE = 1.5  # requests per second when --request-rate is not given
+DEFAULT_RATE, DEFAULT_NUM_REQUESTS = 1.5, 40  # without --request-rate and --num-prompts
 RUNS = (("DP=1 (2 threads)", 1, "prefix"), ("DP=2 prefix-aware", 2, "prefix"),
         ("DP=2 least-loaded", 2, "least-loaded"), ("DP=2 round-robin", 2, "round-robin"))
 
@@ -40,8 +39,8 @@ def tenant_requests(num_requests: int) -> list[tuple[str, list[int]]]:
 
 def serve_dp_preset(args) -> dict:
     model = model_for(args)
-    rate = args.request_rate if math.isfinite(args.request_rate) else DEFAULT_RATE
-    requests = tenant_requests(args.num_prompts)
+    rate = args.request_rate or DEFAULT_RATE
+    requests = tenant_requests(args.num_prompts or DEFAULT_NUM_REQUESTS)
     runs = []
     for name, size, routing in RUNS:
         flags = ("--max-model-len", "512", "--num-kvcache-blocks", str(BLOCKS_PER_CORE * 2 // size),
@@ -60,13 +59,13 @@ async def run_tenants(url: str, requests: list[tuple[str, list[int]]], rate: flo
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    await stream_one(client, [7] * 8, 2)  # warm-up, sharing no block with the tenants
+    await stream_one(client, None, [7] * 8, 2)  # warm-up, sharing no block with the tenants
     before = prefix_counts(url)
     arrivals = random.Random(1)
     start = time.perf_counter()
     tasks = []
     for salt, prompt in requests:
-        tasks.append(asyncio.create_task(stream_one(client, prompt, OUTPUT_TOKENS, salt)))
+        tasks.append(asyncio.create_task(stream_one(client, None, prompt, OUTPUT_TOKENS, salt)))
         await asyncio.sleep(arrivals.expovariate(rate))
     results = await asyncio.gather(*tasks)
     seconds = time.perf_counter() - start
