@@ -69,6 +69,7 @@ async def run_tenants(url: str, requests: list[tuple[str, list[int]]], rate: flo
         await asyncio.sleep(arrivals.expovariate(rate))
     results = await asyncio.gather(*tasks)
     seconds = time.perf_counter() - start
+    await client.close()  # in this event loop, which closes after the run
     queries, hits = (after - earlier for after, earlier in zip(prefix_counts(url), before))
     ttfts = [r[0] for r in results]
     return {"hit_rate": hits / queries, "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
