@@ -125,14 +125,15 @@ async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: 
     return report
 
 
-async def stream_one(client, model: str, prompt: list[int] | str,
-                     max_tokens: int) -> tuple[float, list[float], float, int]:
+async def stream_one(client, model: str | None, prompt: list[int] | str, max_tokens: int,
+                     cache_salt: str | None = None) -> tuple[float, list[float], float, int]:
     """One streamed greedy completion: (TTFT, inter-chunk gaps, latency, output tokens)."""
     start = time.perf_counter()
     chunk_times, num_tokens = [], 0
+    salt = {"cache_salt": cache_salt} if cache_salt else {}
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+                                             extra_body={"ignore_eos": True} | salt)
     async for chunk in stream:
         if chunk.choices:
             chunk_times.append(time.perf_counter())

@@ -273,7 +273,7 @@ def test_killing_the_engine_core_fails_requests_and_exits_nonzero_leaving_no_pro
         stream.join()
         assert server.wait(60) == 1
     assert '"code": 503' in events[-2] and events[-1] == "data: [DONE]"
-    assert f"the engine core (pid {core}) died with exit code -9" in log.read_text()
+    assert f"the engine core (rank 0, pid {core}) died with exit code -9" in log.read_text()
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
 
 
@@ -283,7 +283,7 @@ def test_the_engine_core_exits_when_the_front_process_dies_and_removes_its_socke
     with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (server, url):
         family = descendants(server.pid)
         [socket_dir] = tmp_path.glob("nanoengine-*")
-        assert {p.name for p in socket_dir.iterdir()} == {"in", "out"}
+        assert {p.name for p in socket_dir.iterdir()} == {"engines"}
         server.kill()
         server.wait()
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")

@@ -410,11 +410,11 @@ def test_stats_trace_and_prometheus_count_drafts(folder, monkeypatch, caplog):
     assert stats.spec_mean_acceptance_length == pytest.approx(1 + stats.spec_num_accepted_tokens / len(runs))
     assert "drafts" in caplog.text and "  accepted " in caplog.text
     metrics = Metrics("tiny")
-    metrics.record_stats(stats)
+    metrics.record_stats(0, stats)
     text = metrics.text().decode()
     for name, value in (("num_drafts", stats.spec_num_drafts), ("num_draft_tokens", stats.spec_num_draft_tokens),
                         ("num_accepted_tokens", stats.spec_num_accepted_tokens)):
-        assert f'nanoengine:spec_decode_{name}_total{{model_name="tiny"}} {float(value)}' in text
+        assert f'nanoengine:spec_decode_{name}_total{{engine="0",model_name="tiny"}} {float(value)}' in text
 
 
 def test_drafts_stop_where_they_keep_failing(folder, monkeypatch):

@@ -1,8 +1,10 @@
 """``nanoengine serve [MODEL] [--port N] [every LLM option as a --flag]``: the OpenAI-compatible server.
 
-The front process (this one) validates the options, starts the engine-core process, and serves HTTP
-once the model is loaded. SIGINT or SIGTERM ends in-flight requests and stops the engine core; if
-the engine core dies, the server exits with code 1.
+The front process (this one) validates the options, starts the engine-core processes
+(``--data-parallel-size``, each with its own KV cache), and serves HTTP once every core has loaded
+the model. SIGINT or SIGTERM ends in-flight requests and stops the engine cores; if every engine core
+dies, the server exits with code 1. ``--headless`` runs one engine core that joins a front on another
+node (``--data-parallel-rank R --data-parallel-address HOST:PORT``) instead of serving HTTP.
 """
 
 import argparse
@@ -24,6 +26,7 @@ from nanoengine import prefix_report
 from nanoengine.config import EngineConfig
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
+from nanoengine.serve.engine_core import run_headless_core
 from nanoengine.serve.metrics import Metrics
 from nanoengine.utils.default_model import default_model_path
 
@@ -55,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="refuse (413) a request body larger than this (default: 4 MiB)")
+    parser.add_argument("--headless", action="store_true",
+                        help="serve no HTTP: run an engine core that joins the front at --data-parallel-address")
     add_engine_flags(parser)
     return parser
 
@@ -79,7 +84,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     client = EngineCoreClient(config, metrics.record_stats)
     try:
         validator = RequestValidator(config)
-        validator.config.max_model_len = (await client.start()).max_model_len
+        validator.config.max_model_len = await client.start()
         server = OpenAIServer(client, validator, [name, config.model], metrics)
         app = create_app(server, args.api_key, args.max_request_bytes)
         http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S))
@@ -105,12 +110,20 @@ def serve(argv: list[str] | None = None) -> int:
         config = server_config(args.model or default_model_path(), engine_options(args))
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
+    if args.headless:
+        return run_headless(parser, config)
     return asyncio.run(run_server(args, config))
 
 
 def server_config(model: str, options: dict) -> EngineConfig:
     config = EngineConfig.from_options(model, options)
     return EngineConfig.from_options(model, CPU_SERVER_DEFAULTS | options) if config.device == "cpu" else config
+
+
+def run_headless(parser: argparse.ArgumentParser, config: EngineConfig) -> int:
+    if config.data_parallel_address is None:
+        parser.error("--headless needs --data-parallel-address HOST:PORT (the front's) and --data-parallel-rank")
+    return run_headless_core(config)
 
 
 def main(argv: list[str] | None = None) -> int:
