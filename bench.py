@@ -6,7 +6,8 @@
     python bench.py --preset chunked [--small]
     python bench.py --preset structured
     python bench.py --preset spec [--compare vllm]
-    python bench.py --preset serve [--num-prompts N] [--request-rate R] [--max-concurrency C]
+    python bench.py --preset serve [--compare vllm] [--num-prompts N] [--request-rate R] [--max-concurrency C]
+    python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
@@ -19,9 +20,11 @@ throughput run also prints the machine and a roofline: per step the larger of it
 rate and its bytes (all weights, every live token's K and V) over a read bandwidth, both measured at
 start, summed over the steps our engine ran. ``structured`` runs the cpu preset's requests unconstrained
 and with a JSON schema each. ``serve`` starts ``nanoengine serve`` and measures it as ``vllm bench serve``
-does.
+does, at a light Poisson load and a saturating one; with ``--compare vllm`` it measures ``vllm serve``
+on the same requests too, at float32 and at bfloat16;
+``serve-dp`` runs a multi-tenant workload on one engine core and on two, under each routing rule.
 
-The presets' shared parts and peers live in benchmarks/ (common, roofline, peers, latency, serve, spec);
+The presets' shared parts and peers live in benchmarks/ (common, roofline, peers, latency, serve, serve_dp, spec);
 this file runs the throughput and structured presets and is the entry point for all.
 """
 
@@ -46,7 +49,8 @@ from benchmarks.common import (
 from benchmarks.latency import chunked_preset, prefix_preset
 from benchmarks.peers import compare_hf, compare_vllm
 from benchmarks.roofline import Hardware, ModelShape, Roofline, machine, roofline
-from benchmarks.serve import serve_preset
+from benchmarks.serve import print_serve_table, serve_preset
+from benchmarks.serve_dp import print_serve_dp_table, serve_dp_preset
 from benchmarks.spec import print_spec_table, spec_preset
 from nanoengine import LLM, StructuredOutputsParams
 
@@ -95,6 +99,10 @@ def throughput_report(preset, model, device, workload, hw, floor: Roofline, resu
 def print_table(report: dict) -> None:
     if report["preset"] == "spec":
         return print_spec_table(report)
+    if report["preset"] == "serve":
+        return print_serve_table(report)
+    if report["preset"] == "serve-dp":
+        return print_serve_dp_table(report)
     print(f"\n{report['preset']} preset on {report['device']} ({report['model']})")
     if "machine" in report:
         print(f"machine: {machine_line(report['machine'])}; dtype {report['dtype']}")
@@ -163,7 +171,8 @@ def machine_line(machine: dict) -> str:
 
 
 PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset,
-           "structured": structured_preset, "serve": serve_preset, "spec": spec_preset}
+           "structured": structured_preset, "serve": serve_preset, "spec": spec_preset,
+           "serve-dp": serve_dp_preset}
 
 
 def peer_set(text: str) -> set[str]:
@@ -182,8 +191,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--num-prompts", type=int, default=32, help="serve: how many requests")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="serve: Poisson arrivals per second")
+    parser.add_argument("--num-prompts", type=int, help="serve: how many requests per load (default: per load)")
+    parser.add_argument("--request-rate", type=float,
+                        help="serve: one load at this Poisson rate (inf: all at once) instead of the preset's two")
     parser.add_argument("--max-concurrency", type=int, help="serve: most requests in flight")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser.parse_args(argv)

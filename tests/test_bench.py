@@ -7,7 +7,7 @@ import pytest
 from conftest import build_tiny_model
 
 import bench
-from benchmarks import common, latency, peers
+from benchmarks import common, latency, peers, serve_dp
 from benchmarks.common import Workload
 from benchmarks.roofline import Hardware, ModelShape, roofline
 
@@ -123,3 +123,36 @@ def test_spec_preset_reports_both_runs_per_level_and_the_random_workload(tiny_qw
     bench.print_table(report)
     assert "random tokens" in capsys.readouterr().out
     json.dumps(report)
+
+
+def test_serve_table_puts_both_engines_side_by_side_with_higher_is_better_ratios(capsys):
+    from benchmarks.serve import SERVE_MEASURES, print_serve_table
+
+    def run(engine, scale):  # vLLM's times are half ours, its throughput twice ours
+        times = {key: 10.0 * scale for _, key, higher_better in SERVE_MEASURES if not higher_better}
+        return {"engine": engine, "dtype": "float32", "load": "light", "request_rate": 1.0, "num_requests": 8,
+                "output_token_throughput": 100.0 / scale} | times
+
+    print_serve_table({"device": "cpu", "model": "m", "runs": [run("nanoengine", 1.0), run("vLLM", 0.5)]})
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32")]
+    assert len(rows) == len(SERVE_MEASURES)
+    assert all(row.split()[-3:] == ["10.0", "5.0", "0.50x"] for row in rows if "ms" in row)
+    assert next(row for row in rows if "tok/s" in row).split()[-3:] == ["100.0", "200.0", "0.50x"]
+
+
+def test_serve_dp_tenants_share_a_system_prompt_under_their_own_salt_and_the_table_prints(capsys):
+    requests = serve_dp.tenant_requests(40)
+    prompts_by_salt: dict[str, list[list[int]]] = {}
+    for salt, prompt in requests:
+        prompts_by_salt.setdefault(salt, []).append(prompt)
+    assert len(prompts_by_salt) == serve_dp.TENANTS
+    systems = {salt: {tuple(p[:serve_dp.SYSTEM_TOKENS]) for p in prompts} for salt, prompts in prompts_by_salt.items()}
+    assert all(len(s) == 1 for s in systems.values()) and len(set().union(*systems.values())) == serve_dp.TENANTS
+    assert len({tuple(p) for _, p in requests}) == 40  # every question is fresh
+    run = {"hit_rate": 0.5, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0, "request_throughput": 1.0,
+           "output_token_throughput": 8.0}
+    serve_dp.print_serve_dp_table({"device": "cpu", "model": "m", "num_requests": 40, "request_rate": 1.5,
+                                   "tenants": 4, "system_tokens": 256, "runs": [{"name": "DP=2 round-robin"} | run],
+                                   "hit_rate_prefix_over_round_robin": 1.6, "ttft_p50_prefix_over_round_robin": 0.23})
+    out = capsys.readouterr().out
+    assert "DP=2 round-robin" in out and "50.0%" in out and "hit rate 1.60x" in out

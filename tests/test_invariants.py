@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from itertools import count
 
 import pytest
+from conftest import keep_every_draft
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -75,6 +76,7 @@ def engines(sharp_tiny_model, run_alone):
         record_schedules(llm.llm_engine)
         if llm.config.speculative is not None:
             draft_from_alone(llm.llm_engine, run_alone)
+            keep_every_draft(llm.llm_engine)
     yield {name: llm.llm_engine for name, llm in llms.items()}
     for llm in llms.values():
         stats = llm.stats()

@@ -166,7 +166,7 @@ def test_wrong_node_options_fail_before_any_process_starts(tiny_dir, options, me
 def test_headless_without_a_node_other_than_the_head_is_refused(tiny_dir, capsys):
     with pytest.raises(SystemExit):
         serve([tiny_dir, "--tensor-parallel-size", "2", "--headless"])
-    assert "--headless runs the workers of a node other than the head" in capsys.readouterr().err
+    assert "--headless needs --data-parallel-address HOST:PORT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         serve([tiny_dir, "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29400"])
     assert "add --headless" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.sampling_params import StructuredOutputsParams
-from nanoengine.serve.cli import build_parser, engine_options
+from nanoengine.serve.cli import build_parser, engine_options, server_config
 from nanoengine.serve.protocol import CompletionRequest, ResponseFormat, structured_outputs_params
 
 KEY = "test-key"
@@ -273,7 +273,7 @@ def test_killing_the_engine_core_fails_requests_and_exits_nonzero_leaving_no_pro
         stream.join()
         assert server.wait(60) == 1
     assert '"code": 503' in events[-2] and events[-1] == "data: [DONE]"
-    assert f"the engine core (pid {core}) died with exit code -9" in log.read_text()
+    assert f"the engine core (rank 0, pid {core}) died with exit code -9" in log.read_text()
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
 
 
@@ -283,7 +283,7 @@ def test_the_engine_core_exits_when_the_front_process_dies_and_removes_its_socke
     with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (server, url):
         family = descendants(server.pid)
         [socket_dir] = tmp_path.glob("nanoengine-*")
-        assert {p.name for p in socket_dir.iterdir()} == {"in", "out"}
+        assert {p.name for p in socket_dir.iterdir()} == {"engines"}
         server.kill()
         server.wait()
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
@@ -310,6 +310,14 @@ def test_every_llm_option_is_a_flag():
     assert (args.model, args.port, args.host) == ("/some/model", 9000, "127.0.0.1")
     assert engine_options(args) == {"max_num_seqs": 64, "enable_prefix_caching": False, "tensor_parallel_size": 2,
                                     "cpu_kvcache_space_gib": 0.5}
+
+
+def test_server_on_the_cpu_takes_vllms_server_budget_unless_told(sharp_tiny_model):
+    folder = sharp_tiny_model[0]
+    config = server_config(folder, {"device": "cpu"})
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == (2048, 128)
+    config = server_config(folder, {"device": "cpu", "max_num_batched_tokens": 4096})
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == (4096, 128)
 
 
 def test_response_format_and_structured_outputs_map_onto_engine_params():

@@ -11,13 +11,13 @@ import re
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, keep_every_draft
 
 from nanoengine import LLM, EngineArgs, RequestOutputKind, SamplingParams
 from nanoengine.config import SpeculativeConfig
 from nanoengine.engine import model_runner as model_runner_module
 from nanoengine.engine import spec_decode
-from nanoengine.engine.spec_decode import DraftLength, accepted_run, propose_ngram
+from nanoengine.engine.spec_decode import DraftLength, StepCost, accepted_run, propose_ngram, worth_drafting
 from nanoengine.layers.sampler import SamplingTensors, sample
 from nanoengine.outputs import EngineStats
 from nanoengine.serve.cli import build_parser, engine_options
@@ -33,9 +33,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def generate(folder: str, prompts, params, **options):
-    """(outputs, stats, every verified run's (request id, tokens emitted)) of one engine."""
+def generate(folder: str, prompts, params, cost: tuple[float, float] | None = None, **options):
+    """(outputs, stats, every verified run's (request id, tokens emitted)) of one engine; ``cost`` fixes
+    its step cost (a, b), else drafts are kept whatever they cost."""
     with LLM(folder, **(ENGINE | options)) as llm:
+        if cost is None:
+            keep_every_draft(llm.llm_engine)
+        else:
+            llm.llm_engine.step_cost.fit = lambda: cost
         runs = record_runs(llm)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return outputs, llm.stats(), runs
@@ -149,6 +154,40 @@ def test_draft_length_grows_on_success_shrinks_on_failure_and_probes_with_backof
         while length.allowed() == 0:
             waited += 1
     assert waited == spec_decode.MAX_WAIT
+
+
+def test_step_cost_is_fitted_once_steps_of_different_sizes_ran():
+    cost = StepCost()
+    for rows in (4, 8, 12, 16, 4, 8, 12):
+        cost.add(rows, 0.02 + 0.001 * rows)
+    assert cost.fit() is None  # fewer than MIN_COST_SAMPLES steps
+    cost.add(16, 0.036)
+    assert cost.fit() == pytest.approx((0.02, 0.001))
+    same = StepCost()
+    for _ in range(10):
+        same.add(8, 0.03)
+    assert same.fit() is None  # one size only: no slope to fit
+
+
+def test_drafts_are_kept_while_they_raise_the_expected_rate():
+    """Memory-bound (a step costs about the same whatever its rows) keeps every draft; compute-bound (each
+    row costs its share) keeps none; in between the likeliest drafts go first."""
+    assert worth_drafting([0.8] * 4, [4] * 4, 4, (0.03, 0.0001)) == [4] * 4
+    assert worth_drafting([0.8] * 16, [4] * 16, 16, (0.001, 0.002)) == [0] * 16
+    # 4 rows at a = 10 ms, b = 1 ms: 4 tokens in 14 ms; a 0.9-likely draft adds 0.9 in 1 ms, a 0.2-likely
+    # one 0.2 in 1 ms, which is below the rate the step has reached by then.
+    kept = worth_drafting([0.9, 0.2], [4, 4], 4, (0.010, 0.001))
+    assert kept[0] == 4 and kept[1] == 0
+    assert worth_drafting([0.5], [3], 1, None) == [3]  # no fit yet: every draft
+
+
+def test_a_compute_bound_step_cost_drafts_nothing_and_a_memory_bound_one_drafts(folder, monkeypatch):
+    plain = generate(folder, PROMPTS, GREEDY)[0]
+    oracle_drafts(monkeypatch, PROMPTS, plain)
+    outputs, stats, _ = generate(folder, PROMPTS, GREEDY, cost=(0.0, 1.0), speculative_config=SPEC)
+    assert tokens_of(outputs) == tokens_of(plain) and stats.spec_num_draft_tokens == 0
+    outputs, stats, _ = generate(folder, PROMPTS, GREEDY, cost=(1.0, 1e-6), speculative_config=SPEC)
+    assert tokens_of(outputs) == tokens_of(plain) and stats.spec_num_accepted_tokens > 0
 
 
 def sampling_tensors(rows: int, temperature: float, top_k: int = -1, top_p: float = 1.0) -> SamplingTensors:
@@ -410,11 +449,11 @@ def test_stats_trace_and_prometheus_count_drafts(folder, monkeypatch, caplog):
     assert stats.spec_mean_acceptance_length == pytest.approx(1 + stats.spec_num_accepted_tokens / len(runs))
     assert "drafts" in caplog.text and "  accepted " in caplog.text
     metrics = Metrics("tiny")
-    metrics.record_stats(stats)
+    metrics.record_stats(0, stats)
     text = metrics.text().decode()
     for name, value in (("num_drafts", stats.spec_num_drafts), ("num_draft_tokens", stats.spec_num_draft_tokens),
                         ("num_accepted_tokens", stats.spec_num_accepted_tokens)):
-        assert f'nanoengine:spec_decode_{name}_total{{model_name="tiny"}} {float(value)}' in text
+        assert f'nanoengine:spec_decode_{name}_total{{engine="0",model_name="tiny"}} {float(value)}' in text
 
 
 def test_drafts_stop_where_they_keep_failing(folder, monkeypatch):

@@ -7,6 +7,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from conftest import keep_every_draft
 from transformers import AutoModelForCausalLM
 
 from nanoengine import LLM, RequestOutputKind, SamplingParams
@@ -247,6 +248,7 @@ def test_speculation_gives_the_same_structured_tokens(smollm2_dir, default_run):
     after the drafts before it: greedy and seeded outputs stay token for token those without drafts."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     with LLM(smollm2_dir, dtype="float32", speculative_config=spec) as llm:
+        keep_every_draft(llm.llm_engine)
         run = run_mixed_batch(llm)
         stats = llm.stats()
     assert run == default_run

@@ -44,8 +44,10 @@ def load_cpu_kernels() -> ModuleType | None:
     """The decode kernel and the layers' small ops built for this machine, or None (logged) where they cannot be."""
     from torch.utils.cpp_extension import load
 
+    # The sources' paths are in the key: ninja rebuilds whenever they change, so two checkouts sharing one
+    # folder would rebuild each other's build at every start.
     machine = f"{cpu_model()} {sorted(cpu_flags())} torch {torch.__version__} python {sys.version_info[:2]}"
-    build = cache_dir() / "cpu-kernels" / hashlib.sha1(machine.encode()).hexdigest()[:12]
+    build = cache_dir() / "cpu-kernels" / hashlib.sha1(f"{machine} {KERNEL_SOURCES}".encode()).hexdigest()[:12]
     try:
         if shutil.which("ninja") is None:  # pip's ninja lives beside this interpreter, which may not be on PATH
             import ninja

@@ -15,7 +15,7 @@ from nanoengine.engine.executor import make_executor
 from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
-from nanoengine.engine.spec_decode import DraftLength, propose_ngram
+from nanoengine.engine.spec_decode import DraftLength, StepCost, propose_ngram, worth_drafting
 from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager, grammar_prefix
 from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -39,6 +39,7 @@ class LLMEngine:
         self.step_history: deque[tuple[int, int, float]] = deque(maxlen=STEP_HISTORY)
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
         self.spec_counts = [0, 0, 0]  # speculative decoding: (drafted requests, draft tokens, accepted tokens)
+        self.step_cost = StepCost()  # with speculative decoding: what a decode step costs per row
         self.trace = StepTrace(self.scheduler) if config.trace else None
 
     def init_request_checks(self, config: EngineConfig) -> None:
@@ -224,7 +225,9 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.log(scheduled)
         try:
+            start = time.perf_counter()
             result = self.model_executor.execute_model(scheduled, self.grammar_bitmask(scheduled))
+            self.record_step_cost(scheduled, time.perf_counter() - start)
         except Exception as error:
             result, failed = self.execute_one_by_one(scheduled, error)
             for request in failed:
@@ -332,6 +335,12 @@ class LLMEngine:
             size = self.block_manager.block_size
             self.block_manager.free(request, num_kept_blocks=-(-request.num_computed_tokens // size))
 
+    def record_step_cost(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Time the steps that only decode (with or without drafts), for ``worth_drafting``."""
+        if self.config.speculative is not None and all(
+                n == 1 + len(d) for n, d in zip(scheduled.num_new_tokens, scheduled.drafts)):
+            self.step_cost.add(sum(scheduled.num_new_tokens), seconds)
+
     def propose_drafts(self, requests: list[Request]) -> None:
         """Draft the next tokens of each request that just sampled (see spec_decode.py)."""
         spec = self.config.speculative
@@ -350,6 +359,15 @@ class LLMEngine:
                 drafts = propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                        num_drafts)
                 request.spec_token_ids = grammar_prefix(request.matcher, drafts) if structured else drafts
+        if spec is not None:
+            self.keep_drafts_that_pay([r for r in requests if not r.is_finished])
+
+    def keep_drafts_that_pay(self, decoding: list[Request]) -> None:
+        drafted = [r for r in decoding if r.spec_token_ids]
+        kept = worth_drafting([r.draft_length.acceptance for r in drafted], [len(r.spec_token_ids) for r in drafted],
+                              len(decoding), self.step_cost.fit())
+        for request, num_kept in zip(drafted, kept):
+            request.spec_token_ids = request.spec_token_ids[:num_kept]
 
     def record_token_time(self, request: Request, now: float) -> None:
         metrics = request.metrics

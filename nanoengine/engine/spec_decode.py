@@ -17,11 +17,21 @@
   that accepted every draft and drops to the number accepted otherwise. At length 0 the request skips
   drafting for a while, then probes with one draft; each failed probe doubles the wait (up to
   ``MAX_WAIT`` steps), so a request whose output never copies its context costs almost nothing.
+- Paying for themselves (``StepCost``, ``worth_drafting``): a decode step costs a + b * rows seconds,
+  fitted over recent decode steps. Few rows read the weights at the same cost (b small, memory-bound);
+  many rows make each draft cost its full share of the arithmetic (compute-bound). A request's j-th
+  draft is accepted with probability q^j, q its recent rate of accepting a draft after the one before.
+  The step keeps drafts, likeliest first, while each adds more expected tokens per second than the
+  step already yields, so a batch that is compute-bound drafts less, or not at all.
 """
+
+from collections import deque
 
 import numpy as np
 
 MAX_WAIT = 64  # decode steps a request at draft length 0 waits, at most, before probing again
+COST_WINDOW = 64  # decode steps the step-cost fit looks back over
+MIN_COST_SAMPLES = 8
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -54,6 +64,12 @@ class DraftLength:
         self.length = max_length
         self.wait = 0  # steps to skip before the next probe, at length 0
         self.next_wait = 1
+        self.accepted, self.rejected = 1.0, 1.0  # decayed counts: drafts accepted, and steps that rejected one
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted, given that the one before it was."""
+        return self.accepted / (self.accepted + self.rejected)
 
     def allowed(self) -> int:
         """How many drafts this step may carry (called once per decode step)."""
@@ -63,6 +79,8 @@ class DraftLength:
         return 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted = 0.9 * self.accepted + num_accepted
+        self.rejected = 0.9 * self.rejected + (num_accepted < num_drafted)
         if num_accepted == num_drafted:
             self.length = min(self.max_length, self.length + 1)
             self.next_wait = 1
@@ -70,3 +88,43 @@ class DraftLength:
             self.length = num_accepted
         if self.length == 0:
             self.wait, self.next_wait = self.next_wait, min(2 * self.next_wait, MAX_WAIT)
+
+
+class StepCost:
+    """A decode step's seconds as a + b * rows, fitted by least squares over the last ``COST_WINDOW`` decode steps."""
+
+    def __init__(self):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None until enough steps of different sizes have run."""
+        if len(self.samples) < MIN_COST_SAMPLES:
+            return None
+        rows, seconds = np.array(self.samples, dtype=np.float64).T
+        if rows.std() == 0:
+            return None
+        b = max(0.0, float(np.cov(rows, seconds, bias=True)[0, 1] / rows.var()))
+        return max(0.0, float(seconds.mean() - b * rows.mean())), b
+
+
+def worth_drafting(acceptances: list[float], num_drafts: list[int], num_rows: int,
+                   cost: tuple[float, float] | None) -> list[int]:
+    """How many of its drafts each request keeps, given each one's acceptance q, a step of ``num_rows``
+    rows without drafts, and the step cost (a, b); drafts are kept likeliest first while each adds more
+    expected tokens per second than the step yields with the drafts kept so far."""
+    if cost is None:
+        return num_drafts
+    a, b = cost
+    candidates = sorted(((q ** (j + 1), i) for i, (q, n) in enumerate(zip(acceptances, num_drafts))
+                         for j in range(n)), reverse=True)
+    kept = [0] * len(num_drafts)
+    tokens, seconds = float(num_rows), a + b * num_rows
+    for p, i in candidates:
+        if p * seconds <= b * tokens:  # p / b <= tokens / seconds: this draft would lower the rate
+            break
+        kept[i] += 1
+        tokens, seconds = tokens + p, seconds + b
+    return kept

@@ -98,8 +98,9 @@ class OpenAIServer:
         """The request's outputs, recording metrics; engine failures become APIErrors."""
         last_token_time = None
         try:
-            async for output in self.client.generate(request):
-                self.metrics.record_output(output, last_token_time)
+            async for engine, output in self.client.generate(request):
+                output.prompt_token_ids = request.prompt_token_ids  # the engine core leaves them out
+                self.metrics.record_output(engine, output, last_token_time)
                 last_token_time = output.metrics.last_token_time
                 yield output
         except EngineUnavailableError as error:
@@ -267,7 +268,12 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
 
     @app.get("/health")
     async def health():
-        return Response(status_code=503 if server.client.dead or server.shutting_down else 200)
+        """200 while any engine core serves ("degraded" when some are dead), else 503; each core's state."""
+        engines = server.client.health()
+        serving = sum(engine["state"] == "ready" for engine in engines)
+        status = ("unavailable" if server.shutting_down or not serving
+                  else "ok" if serving == len(engines) else "degraded")
+        return JSONResponse({"status": status, "engines": engines}, status_code=503 if status == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics():

@@ -1,8 +1,10 @@
 """``nanoengine serve [MODEL] [--port N] [every LLM option as a --flag]``: the OpenAI-compatible server.
 
-The front process (this one) validates the options, starts the engine-core process, and serves HTTP
-once the model is loaded. SIGINT or SIGTERM ends in-flight requests and stops the engine core; if
-the engine core dies, the server exits with code 1.
+The front process (this one) validates the options, starts the engine-core processes
+(``--data-parallel-size``, each with its own KV cache), and serves HTTP once every core has loaded
+the model. SIGINT or SIGTERM ends in-flight requests and stops the engine cores; if every engine core
+dies, the server exits with code 1. ``--headless`` runs one engine core that joins a front on another
+node (``--data-parallel-rank R --data-parallel-address HOST:PORT``) instead of serving HTTP.
 """
 
 import argparse
@@ -26,10 +28,14 @@ from nanoengine.distributed import env_rank
 from nanoengine.engine.worker import run_node
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
+from nanoengine.serve.engine_core import run_headless_core
 from nanoengine.serve.metrics import Metrics
 from nanoengine.utils.default_model import default_model_path
 
 ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
+# vLLM's server defaults on the CPU, below LLM's: with a smaller step budget a burst of prompts is
+# prefilled in shorter steps, so the first tokens come out one chunk after another instead of together.
+CPU_SERVER_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="refuse (413) a request body larger than this (default: 4 MiB)")
     parser.add_argument("--headless", action="store_true",
-                        help="with --nnodes N --node-rank R > 0: run this node's tensor-parallel workers, no HTTP")
+                        help="serve no HTTP: run an engine core that joins the front at --data-parallel-address, "
+                             "or, with --nnodes N --node-rank R > 0, this node's tensor-parallel workers")
     add_engine_flags(parser)
     return parser
 
@@ -80,7 +87,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     client = EngineCoreClient(config, metrics.record_stats)
     try:
         validator = RequestValidator(config)
-        validator.config.max_model_len = (await client.start()).max_model_len
+        validator.config.max_model_len = await client.start()
         server = OpenAIServer(client, validator, [name, config.model], metrics)
         app = create_app(server, args.api_key, args.max_request_bytes)
         http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S))
@@ -104,18 +111,32 @@ def serve(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
     try:
         config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
+        tensor_parallel_node = config.node_ranks()[0] != 0  # it serves nothing: LLM's defaults, not the server's
+        if not tensor_parallel_node:
+            config = server_config(config.model, engine_options(args))
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
-    if args.headless or config.node_ranks()[0] != 0:
-        return run_headless(parser, args, config)
+    if tensor_parallel_node:
+        return run_tensor_parallel_node(parser, args, config)
+    if args.headless:
+        return run_headless(parser, config)
     return asyncio.run(run_server(args, config))
 
 
-def run_headless(parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig) -> int:
+def server_config(model: str, options: dict) -> EngineConfig:
+    config = EngineConfig.from_options(model, options)
+    return EngineConfig.from_options(model, CPU_SERVER_DEFAULTS | options) if config.device == "cpu" else config
+
+
+def run_headless(parser: argparse.ArgumentParser, config: EngineConfig) -> int:
+    if config.data_parallel_address is None:
+        parser.error("--headless needs --data-parallel-address HOST:PORT (the front's) and --data-parallel-rank, "
+                     "or --nnodes N --node-rank R > 0 for a node of a tensor-parallel group")
+    return run_headless_core(config)
+
+
+def run_tensor_parallel_node(parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig) -> int:
     """A node other than the head: its tensor-parallel workers run until the head closes them (or dies)."""
-    if config.node_ranks()[0] == 0:
-        parser.error("--headless runs the workers of a node other than the head: give --nnodes N --node-rank R, "
-                     "R > 0 (node 0 runs the engine and the server)")
     if not args.headless and env_rank() is None:
         parser.error(f"--node-rank {config.node_rank} runs only this node's workers: add --headless")
     logger.info("running tensor-parallel rank(s) %s; node 0 runs the engine", config.node_ranks())

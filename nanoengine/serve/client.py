@@ -1,9 +1,13 @@
-"""The front process's handle on the engine core: starts it, sends requests, routes outputs to asyncio queues.
+"""The front process's handle on its engine cores: starts the local ones, admits the remote ones, routes each
+request to one core and each core's outputs to asyncio queues.
 
-One reader task receives every ``EngineCoreOutputs`` and puts each request's outputs on that
-request's queue, so a slow HTTP client only ever delays its own queue. The event loop also watches
-the engine-core process's sentinel: when the process dies, every waiting request gets
-``EngineUnavailableError`` at once and ``on_death`` runs.
+Every core talks to one ROUTER socket (ipc for the local cores, TCP at ``data_parallel_address`` for the
+``--headless`` ones). One reader task receives every message and puts each request's outputs on that
+request's queue, so a slow HTTP client only ever delays its own queue. A core dies when its process exits
+(the event loop watches each local core's sentinel) or when a remote core's connection drops (ZMQ's
+heartbeats notice a silent node within seconds). Its requests then get ``EngineUnavailableError`` at
+once and the other cores keep serving; a dead core is not restarted (a remote one may join again under
+its rank). When no core is left, ``dead`` says why and ``on_death`` runs.
 """
 
 import asyncio
@@ -15,13 +19,24 @@ import pickle
 import signal
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
-from nanoengine.serve.engine_core import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, run_engine_core
+from nanoengine.serve.engine_core import (
+    HEARTBEAT_MS,
+    EngineCoreHello,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    fingerprint,
+    run_engine_core,
+)
+from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
 
 logger = logging.getLogger("nanoengine.serve")
 STOP_TIMEOUT_S = 30  # how long a stopping engine core may take to close before it is killed
@@ -31,95 +46,206 @@ class EngineUnavailableError(RuntimeError):
     pass
 
 
+@dataclass
+class EngineCore(CoreLoad):
+    process: multiprocessing.Process | None = None  # a local core's; None for a remote one
+    identity: bytes | None = None  # its peer on the ROUTER socket, once it said hello
+    connection: int | None = None  # that peer's file descriptor, which names it in disconnection events
+    ready: bool = False
+    dead: str | None = None  # why it is gone, once it is
+
+    @property
+    def state(self) -> str:
+        return "dead" if self.dead else "ready" if self.ready else "starting"
+
+    def describe(self) -> str:
+        where = f"pid {self.process.pid}" if self.process else "remote"
+        return f"the engine core (rank {self.rank}, {where})"
+
+
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[EngineStats], None]):
-        self.on_stats = on_stats
+    def __init__(self, config: EngineConfig, on_stats: Callable[[int, EngineStats], None]):
+        self.config, self.on_stats = config, on_stats
         self.on_death: Callable[[], None] = lambda: None
         self.queues: dict[str, asyncio.Queue] = {}
-        self.dead: str | None = None  # why the engine core is gone, once it is
-        self.reader: asyncio.Task | None = None
+        self.router = Router(config.data_parallel_routing)
+        self.cores = [EngineCore(rank) for rank in range(config.data_parallel_size)]
+        self.expected = fingerprint(config)
+        self.all_ready: asyncio.Future | None = None
+        self.reader: asyncio.Future | None = None  # the tasks that read the cores' messages and connections
         self.socket_dir = tempfile.TemporaryDirectory(prefix="nanoengine-")
-        input_address, output_address = (f"ipc://{self.socket_dir.name}/{name}" for name in ("in", "out"))
         self.context = zmq.asyncio.Context()
-        self.inputs, self.outputs = self.context.socket(zmq.PUSH), self.context.socket(zmq.PULL)
-        self.inputs.bind(input_address)
-        self.outputs.bind(output_address)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address), name="nanoengine-core")
-        self.process.start()
-        logger.info("engine core started (pid %d)", self.process.pid)
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for option, value in HEARTBEAT_MS.items():
+            self.socket.setsockopt(option, value)
+        local_address = f"ipc://{self.socket_dir.name}/engines"
+        self.socket.bind(local_address)
+        if config.data_parallel_address is not None:
+            self.socket.bind(f"tcp://{config.data_parallel_address}")
+        spawn = multiprocessing.get_context("spawn")
+        for core in self.cores[:config.data_parallel_size_local]:
+            core.process = spawn.Process(target=run_engine_core, args=(config, local_address, core.rank),
+                                         name=f"nanoengine-core-{core.rank}")
+            core.process.start()
+            logger.info("engine core %d started (pid %d)", core.rank, core.process.pid)
 
-    async def start(self) -> EngineCoreReady:
-        """Wait until the engine core has loaded the model; then route its outputs and watch its life."""
+    @property
+    def dead(self) -> str | None:
+        """Why no core can serve, once none can."""
+        return "; ".join(core.dead for core in self.cores) if all(core.dead for core in self.cores) else None
+
+    async def start(self) -> int:
+        """Wait until every core has loaded the model; returns the max_model_len that all of them take."""
         loop = asyncio.get_running_loop()
-        died = loop.create_future()
-        loop.add_reader(self.process.sentinel, died.set_result, None)
-        ready = asyncio.ensure_future(self.outputs.recv())
-        await asyncio.wait([died, ready], return_when=asyncio.FIRST_COMPLETED)
-        loop.remove_reader(self.process.sentinel)
-        if not ready.done():
-            ready.cancel()
-            raise RuntimeError(f"the engine core exited with code {self.process.exitcode} while starting")
-        self.reader = asyncio.create_task(self.read_outputs())
-        loop.add_reader(self.process.sentinel, self.engine_died)
-        return pickle.loads(ready.result())
+        self.all_ready = loop.create_future()
+        for core in self.cores:
+            if core.process is not None:
+                loop.add_reader(core.process.sentinel, self.core_exited, core)
+        if self.config.data_parallel_size_local < len(self.cores):
+            logger.info("waiting for engine cores %d..%d to join at tcp://%s", self.config.data_parallel_size_local,
+                        len(self.cores) - 1, self.config.data_parallel_address)
+        self.reader = asyncio.gather(self.read_messages(), self.watch_connections())
+        return await self.all_ready
 
-    async def read_outputs(self) -> None:
+    async def read_messages(self) -> None:
         while True:
-            message: EngineCoreOutputs = pickle.loads(await self.outputs.recv())
-            for output in message.outputs:
-                if output.request_id in self.queues:
-                    self.queues[output.request_id].put_nowait(output)
-            for request_id, why in message.refused.items():
-                if request_id in self.queues:
-                    self.queues[request_id].put_nowait(ValueError(why))
-            self.on_stats(message.stats)
+            identity, payload = await self.socket.recv_multipart(copy=False)
+            identity = identity.bytes
+            core = next((c for c in self.cores if c.identity == identity and not c.dead), None)
+            message = pickle.loads(payload.bytes)
+            if isinstance(message, EngineCoreHello):
+                await self.admit(identity, message, payload.get(zmq.SRCFD))
+            elif core is None:
+                continue  # from a core declared dead meanwhile
+            elif isinstance(message, EngineCoreReady):
+                self.core_ready(core, message)
+            else:
+                self.route_outputs(core, message)
 
-    def engine_died(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        self.process.join()
-        self.dead = f"the engine core (pid {self.process.pid}) died with exit code {self.process.exitcode}"
-        logger.error("%s; shutting down", self.dead)
-        self.kill_process_group()
-        self.fail_all(EngineUnavailableError(self.dead))
-        self.on_death()
+    async def watch_connections(self) -> None:
+        """A remote core whose connection drops (its process ended, or its node fell silent) is dead."""
+        while True:
+            event = parse_monitor_message(await self.disconnects.recv_multipart())
+            core = next((c for c in self.cores if c.connection == event["value"] and not c.dead), None)
+            if core is not None and core.process is None:
+                self.core_died(core, f"{core.describe()} disconnected")
+
+    async def admit(self, identity: bytes, hello: EngineCoreHello, connection: int) -> None:
+        """Take a core that said hello under its rank, or tell it why not."""
+        core = self.cores[hello.rank] if 0 <= hello.rank < len(self.cores) else None
+        differences = [f"{name}={hello.fingerprint.get(name)!r} (this server: {value!r})"
+                       for name, value in self.expected.items() if hello.fingerprint.get(name) != value]
+        if core is None:
+            why = f"rank {hello.rank} is outside this server's data_parallel_size={len(self.cores)}"
+        elif differences:
+            why = "it runs another model or config: " + "; ".join(differences)
+        elif core.process is not None and core.identity is not None:
+            why = f"rank {hello.rank} is one of this server's own local cores"
+        elif core.identity is not None and not core.dead:
+            why = f"rank {hello.rank} is already served by another engine core"
+        else:
+            core.identity, core.connection, core.dead, core.ready = identity, connection, None, False
+            await self.socket.send_multipart([identity, pickle.dumps(None)])
+            return
+        logger.warning("refused an engine core claiming rank %d: %s", hello.rank, why)
+        await self.socket.send_multipart([identity, pickle.dumps(why)])
+
+    def core_ready(self, core: EngineCore, ready: EngineCoreReady) -> None:
+        core.ready, core.capacity = True, ready.num_kvcache_blocks
+        self.config.max_model_len = min(self.config.max_model_len, ready.max_model_len)
+        logger.info("engine core %d ready (%d KV-cache blocks)", core.rank, ready.num_kvcache_blocks)
+        if all(c.ready for c in self.cores) and not self.all_ready.done():
+            self.all_ready.set_result(self.config.max_model_len)
+
+    def route_outputs(self, core: EngineCore, message: EngineCoreOutputs) -> None:
+        for output in message.outputs:
+            if output.request_id in self.queues:
+                self.queues[output.request_id].put_nowait(output)
+        for request_id, why in message.refused.items():
+            if request_id in self.queues:
+                self.queues[request_id].put_nowait(ValueError(why))
+        core.num_running = message.stats.num_running
+        self.on_stats(core.rank, message.stats)
+
+    def core_exited(self, core: EngineCore) -> None:
+        asyncio.get_running_loop().remove_reader(core.process.sentinel)
+        core.process.join()
+        self.kill_process_group(core.process)
+        self.core_died(core, f"{core.describe()} died with exit code {core.process.exitcode}")
+
+    def core_died(self, core: EngineCore, why: str) -> None:
+        if not self.all_ready.done():
+            if core.process is None:  # a remote core lost while it loads: another may join under its rank
+                logger.warning("%s while starting; waiting for rank %d to join again", why, core.rank)
+                core.identity = None
+            else:
+                core.dead = why
+                self.all_ready.set_exception(RuntimeError(f"{why} while starting"))
+            return
+        core.dead = why
+        logger.error("%s; %d of %d engine cores left", why, sum(not c.dead for c in self.cores), len(self.cores))
+        for request_id in core.request_ids:
+            self.queues[request_id].put_nowait(EngineUnavailableError(why))
+        core.recent_hashes.clear()
+        if self.dead:
+            self.on_death()
 
     def fail_all(self, error: Exception) -> None:
         for queue in self.queues.values():
             queue.put_nowait(error)
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:
-        """The request's DELTA outputs until it finishes; aborted in the engine core if abandoned early."""
-        if self.dead:
-            raise EngineUnavailableError(self.dead)
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The request's DELTA outputs (with the rank of the core that runs it) until it finishes; aborted in
+        its engine core if abandoned early."""
+        live = [core for core in self.cores if core.ready and not core.dead]
+        if not live:
+            raise EngineUnavailableError(self.dead or "no engine core is ready")
+        hashes = prompt_hashes(request.prompt_token_ids, request.cache_salt, self.config.kvcache_block_size,
+                               self.config.prefix_caching_hash_algo)
+        core = self.router.pick(live, hashes)
+        core.remember(hashes)
         queue = self.queues[request.request_id] = asyncio.Queue()
+        core.request_ids.add(request.request_id)
         finished = False
         try:
-            await self.inputs.send_pyobj(request)
+            await self.socket.send_multipart([core.identity, pickle.dumps(request)])
             while not finished:
                 output = await queue.get()
                 if isinstance(output, Exception):
                     raise output
                 finished = output.finished
-                yield output
+                yield core.rank, output
         finally:
             del self.queues[request.request_id]
-            if not finished and not self.dead:
-                self.inputs.send_pyobj([request.request_id])  # an abort: fire and forget
+            core.request_ids.discard(request.request_id)
+            if not finished and not core.dead:  # an abort: fire and forget
+                self.socket.send_multipart([core.identity, pickle.dumps([request.request_id])])
+
+    def health(self) -> list[dict]:
+        return [{"rank": core.rank, "state": core.state, "pid": core.process and core.process.pid,
+                 "num_requests": len(core.request_ids), **({"why": core.dead} if core.dead else {})}
+                for core in self.cores]
 
     def close(self) -> None:
-        """Stop the engine core (it closes its tensor-parallel workers), then sweep its process group."""
-        asyncio.get_running_loop().remove_reader(self.process.sentinel)  # from here on, its end is expected
+        """Stop the local cores (each closes its tensor-parallel workers), then sweep their process groups; the
+        remote ones see the connection drop and stop themselves."""
+        loop = asyncio.get_running_loop()
+        local = [core.process for core in self.cores if core.process is not None]
+        for process in local:
+            loop.remove_reader(process.sentinel)  # from here on, its end is expected
+            if process.is_alive():
+                process.terminate()
         if self.reader is not None:
             self.reader.cancel()
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(STOP_TIMEOUT_S)
-        self.kill_process_group()
+        for process in local:
+            process.join(STOP_TIMEOUT_S)
+            self.kill_process_group(process)
         self.context.destroy(linger=0)
         self.socket_dir.cleanup()
 
-    def kill_process_group(self) -> None:
+    @staticmethod
+    def kill_process_group(process: multiprocessing.Process) -> None:
         with contextlib.suppress(ProcessLookupError):  # nothing of the group is left
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.join()
+            os.killpg(process.pid, signal.SIGKILL)
+        process.join()

@@ -1,25 +1,35 @@
-"""The engine-core process: one LLMEngine stepping in a loop, fed and read over two ZMQ sockets.
+"""The engine-core process: one LLMEngine stepping in a loop, fed and read over one ZMQ DEALER socket.
 
-The front process pushes ``EngineCoreRequest``s and abort lists; after each wake-up the core answers
-with one ``EngineCoreOutputs`` (the step's DELTA outputs, requests it refused, a stats snapshot).
-With nothing to run it blocks on its input socket and on its parent's sentinel, so it never spins,
-and it exits at once when the front process dies. It runs in a process group of its own, so the
-front can sweep it and its tensor-parallel workers with one signal if it is killed.
+A core connects to the front's ROUTER socket (ipc for a core the front started, TCP for a ``--headless``
+core on another node) and says who it is (``EngineCoreHello``: its rank and its config's fingerprint).
+The front answers None, or why it refuses the core (another model or config); an accepted core loads
+the model and sends ``EngineCoreReady``. From then on the front sends ``EngineCoreRequest``s and abort
+lists; after each wake-up the core answers with one ``EngineCoreOutputs`` (the step's DELTA outputs,
+requests it refused, a stats snapshot). With nothing to run it blocks on its socket and on a sign
+that the front is gone (its parent's sentinel, or for a headless core the socket's disconnection),
+so it never spins, and it exits at once when the front dies. A local core runs in a process group of
+its own, so the front can sweep it and its tensor-parallel workers with one signal if it is killed.
 """
 
+import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
+import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoengine.serve")
 
 
 @dataclass
@@ -40,45 +50,126 @@ class EngineCoreOutputs:
 
 
 @dataclass
+class EngineCoreHello:
+    rank: int
+    fingerprint: dict  # what must equal the front's for the core to join (see ``fingerprint``)
+
+
+@dataclass
 class EngineCoreReady:
     max_model_len: int  # possibly lowered to fit the KV cache
+    num_kvcache_blocks: int
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+# Options that may differ from core to core: where the files are, how much memory the KV cache takes,
+# which core this is, and what only the front uses.
+NODE_LOCAL_OPTIONS = {"model", "tokenizer", "num_kvcache_blocks", "gpu_memory_utilization", "cpu_kvcache_space_gib",
+                      "trace", "data_parallel_size_local", "data_parallel_rank", "data_parallel_address",
+                      "data_parallel_routing"}
+HEARTBEAT_MS = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 5000}  # a silent peer is dropped after 5 s
+
+
+def fingerprint(config: EngineConfig) -> dict:
+    """What two cores behind one front must share: the model (its folder's name and its config) and every
+    engine option that changes what a request gets."""
+    model = {k: v for k, v in config.hf_config.to_dict().items()
+             if not k.startswith("_") and k != "transformers_version"}
+    options = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in NODE_LOCAL_OPTIONS}
+    return {"model name": Path(config.model).name, "model config": model, **options}
+
+
+def connect(context: zmq.Context, address: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    for option, value in HEARTBEAT_MS.items():
+        socket.setsockopt(option, value)
+    socket.connect(address)
+    return socket
+
+
+def run_engine_core(config: EngineConfig, address: str, rank: int) -> None:
+    """A core the front started on this node (one of ``data_parallel_size_local``, sharing its CPU threads)."""
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the front, which then stops this process
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through engine.close() below
+    torch.set_num_threads(max(1, torch.get_num_threads() // config.data_parallel_size_local))
+    if config.device.startswith("cuda"):
+        pin_gpus(config, rank)
     context = zmq.Context()
-    inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inputs.connect(input_address)
-    outputs.connect(output_address)
-    engine = LLMEngine(config)
+    parent = multiprocessing.parent_process().sentinel
     try:
-        outputs.send_pyobj(EngineCoreReady(engine.config.max_model_len))
-        serve_forever(engine, inputs, outputs, multiprocessing.parent_process().sentinel)
+        run(config, connect(context, address), rank, parent, lambda: True)
     finally:
-        engine.close()
         context.destroy(linger=0)
         if not multiprocessing.parent_process().is_alive():  # a killed front leaves its socket folder behind
-            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")), ignore_errors=True)
+            shutil.rmtree(os.path.dirname(address.removeprefix("ipc://")), ignore_errors=True)
 
 
-def serve_forever(engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket, parent_sentinel: int) -> None:
+def pin_gpus(config: EngineConfig, rank: int) -> None:
+    """Local core r sees only its own GPUs, r * TP .. (r + 1) * TP - 1 of those visible, as its cuda:0.. (as vLLM
+    does); set before anything in this process initializes CUDA."""
+    size = config.tensor_parallel_size
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(config.data_parallel_size_local * size)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * size:(rank + 1) * size])
+
+
+def run_headless_core(config: EngineConfig) -> int:
+    """``nanoengine serve --headless --data-parallel-rank R --data-parallel-address HOST:PORT``: one core that
+    joins the front over TCP and runs until the front goes away."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    context = zmq.Context()
+    address = f"tcp://{config.data_parallel_address}"
+    socket = connect(context, address)
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    logger.info("engine core %d: joining the front at %s", config.data_parallel_rank, address)
+    try:
+        return run(config, socket, config.data_parallel_rank, monitor, lambda: drained_disconnect(monitor))
+    finally:
+        context.destroy(linger=0)
+
+
+def drained_disconnect(monitor: zmq.Socket) -> bool:
+    events = []
+    while monitor.poll(0):
+        events.append(recv_monitor_message(monitor)["event"])
+    return zmq.EVENT_DISCONNECTED in events
+
+
+def run(config: EngineConfig, socket: zmq.Socket, rank: int, front_watch, front_gone) -> int:
+    """Join the front (or be refused), load the model, then serve until the front is gone."""
+    socket.send_pyobj(EngineCoreHello(rank, fingerprint(config)))
+    refusal = socket.recv_pyobj()
+    if refusal is not None:
+        logger.error("engine core %d: the front refused this core: %s", rank, refusal)
+        return 1
+    engine = LLMEngine(config)
+    try:
+        socket.send_pyobj(EngineCoreReady(engine.config.max_model_len, len(engine.block_manager.blocks)))
+        serve_forever(engine, socket, front_watch, front_gone)
+    finally:
+        engine.close()
+    logger.info("engine core %d: the front is gone; stopping", rank)
+    return 0
+
+
+def serve_forever(engine: LLMEngine, socket: zmq.Socket, front_watch, front_gone) -> None:
     poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
-    poller.register(parent_sentinel, zmq.POLLIN)
+    poller.register(socket, zmq.POLLIN)
+    poller.register(front_watch, zmq.POLLIN)
     while True:
         idle = not engine.has_unfinished_requests()
         ready = dict(poller.poll(None if idle else 0))
-        if parent_sentinel in ready:
-            return  # the front process is gone
+        if front_watch in ready and front_gone():
+            return
         refused = {}
-        while inputs.poll(0):
-            refused.update(handle(engine, inputs.recv_pyobj()))
+        while socket.poll(0):
+            refused.update(handle(engine, socket.recv_pyobj()))
         step_outputs = engine.step() if engine.has_unfinished_requests() else []
+        for output in step_outputs:  # the front has them: not worth resending each step (and node to node)
+            output.prompt_token_ids = None
         stats = engine.stats()
         stats.step_history = []  # the front needs only the current figures
-        outputs.send_pyobj(EngineCoreOutputs(step_outputs, stats, refused))
+        socket.send_pyobj(EngineCoreOutputs(step_outputs, stats, refused))
 
 
 def handle(engine: LLMEngine, message: EngineCoreRequest | list[str]) -> dict[str, str]:

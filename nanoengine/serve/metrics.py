@@ -1,6 +1,6 @@
 """Prometheus metrics for /metrics, under vLLM's names with a ``nanoengine:`` prefix.
 
-Gauges and engine-wide counters come from the engine core's stats snapshot after each step;
+Gauges and engine-wide counters come from each engine core's stats snapshot after each step;
 per-request figures (tokens, TTFT, inter-token latency, end-to-end latency) from the outputs,
 using the engine core's timestamps.
 """
@@ -14,12 +14,15 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class Metrics:
+    """Every metric is labelled with the model's name and the engine core's rank (``engine``), as in vLLM."""
+
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        self.model_name = model_name
 
-        def metric(kind, name: str, doc: str, **kwargs):
-            return kind(f"nanoengine:{name}", doc, list(labels), registry=self.registry, **kwargs).labels(**labels)
+        def metric(kind, name: str, doc: str, *extra_labels: str, **kwargs):
+            return kind(f"nanoengine:{name}", doc, ["model_name", "engine", *extra_labels], registry=self.registry,
+                        **kwargs)
 
         self.running = metric(Gauge, "num_requests_running", "Requests in the running queue")
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests in the waiting queue")
@@ -32,40 +35,39 @@ class Metrics:
         self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that got a first token")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens")
-        self.request_success = Counter("nanoengine:request_success", "Finished requests", ["model_name",
-                                       "finished_reason"], registry=self.registry)
-        self.model_name = model_name
-        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token",
-                           buckets=LATENCY_BUCKETS)
+        self.request_success = metric(Counter, "request_success", "Finished requests", "finished_reason")
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
         self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between output tokens",
                           buckets=LATENCY_BUCKETS)
         self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
-        self.last_totals = (0,) * 6  # the engine's cumulative counts (as in record_stats) seen so far
+        self.last_totals: dict[int, tuple] = {}  # per core: its cumulative counts (as in record_stats) seen so far
 
-    def record_stats(self, stats: EngineStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
+    def record_stats(self, engine: int, stats: EngineStats) -> None:
+        labels = self.model_name, str(engine)
+        self.running.labels(*labels).set(stats.num_running)
+        self.waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions, stats.spec_num_drafts,
                   stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
         counters = (self.prefix_queries, self.prefix_hits, self.preemptions, self.spec_drafts,
                     self.spec_draft_tokens, self.spec_accepted_tokens)
-        for counter, new, old in zip(counters, totals, self.last_totals):
-            counter.inc(new - old)
-        self.last_totals = totals
+        for counter, new, old in zip(counters, totals, self.last_totals.get(engine, (0,) * len(totals))):
+            counter.labels(*labels).inc(new - old)
+        self.last_totals[engine] = totals
 
-    def record_output(self, output: RequestOutput, previous_token_time: float | None) -> None:
+    def record_output(self, engine: int, output: RequestOutput, previous_token_time: float | None) -> None:
         """One DELTA output; ``previous_token_time`` is the last token time of the request's previous output."""
+        labels = self.model_name, str(engine)
         metrics, num_new = output.metrics, len(output.outputs[0].token_ids)
-        self.generation_tokens.inc(num_new)
+        self.generation_tokens.labels(*labels).inc(num_new)
         if previous_token_time is None:
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
-            self.ttft.observe(metrics.time_to_first_token)
+            self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
+            self.ttft.labels(*labels).observe(metrics.time_to_first_token)
         elif num_new:
-            self.itl.observe((metrics.last_token_time - previous_token_time) / num_new)
+            self.itl.labels(*labels).observe((metrics.last_token_time - previous_token_time) / num_new)
         if output.finished:
-            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
-            self.request_success.labels(self.model_name, output.outputs[0].finish_reason).inc()
+            self.e2e.labels(*labels).observe(metrics.finished_time - metrics.arrival_time)
+            self.request_success.labels(*labels, output.outputs[0].finish_reason).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
