@@ -318,6 +318,8 @@ def test_server_on_the_cpu_takes_vllms_server_budget_unless_told(sharp_tiny_mode
     assert (config.max_num_batched_tokens, config.max_num_seqs) == (2048, 128)
     config = server_config(folder, {"device": "cpu", "max_num_batched_tokens": 4096})
     assert (config.max_num_batched_tokens, config.max_num_seqs) == (4096, 128)
+    config = server_config(folder, {"device": "cpu", "max_num_batched_tokens": 32})
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == (32, 32)
 
 
 def test_response_format_and_structured_outputs_map_onto_engine_params():

@@ -110,13 +110,11 @@ def serve(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
     try:
-        config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
-        tensor_parallel_node = config.node_ranks()[0] != 0  # it serves nothing: LLM's defaults, not the server's
-        if not tensor_parallel_node:
-            config = server_config(config.model, engine_options(args))
+        # Every process the same command line starts takes the same defaults, so that the nodes agree.
+        config = server_config(args.model or default_model_path(), engine_options(args))
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
-    if tensor_parallel_node:
+    if config.node_ranks()[0] != 0:
         return run_tensor_parallel_node(parser, args, config)
     if args.headless:
         return run_headless(parser, config)
@@ -125,7 +123,12 @@ def serve(argv: list[str] | None = None) -> int:
 
 def server_config(model: str, options: dict) -> EngineConfig:
     config = EngineConfig.from_options(model, options)
-    return EngineConfig.from_options(model, CPU_SERVER_DEFAULTS | options) if config.device == "cpu" else config
+    if config.device != "cpu":
+        return config
+    defaults = dict(CPU_SERVER_DEFAULTS)
+    budget = options.get("max_num_batched_tokens", defaults["max_num_batched_tokens"])
+    defaults["max_num_seqs"] = min(defaults["max_num_seqs"], budget)  # as LLM's: never above the budget
+    return EngineConfig.from_options(model, defaults | options)
 
 
 def run_headless(parser: argparse.ArgumentParser, config: EngineConfig) -> int:
