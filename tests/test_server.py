@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.sampling_params import StructuredOutputsParams
-from nanoengine.serve.cli import build_parser, engine_options, server_config
+from nanoengine.serve.cli import build_parser, engine_options
 from nanoengine.serve.protocol import CompletionRequest, ResponseFormat, structured_outputs_params
 
 KEY = "test-key"
@@ -310,16 +310,6 @@ def test_every_llm_option_is_a_flag():
     assert (args.model, args.port, args.host) == ("/some/model", 9000, "127.0.0.1")
     assert engine_options(args) == {"max_num_seqs": 64, "enable_prefix_caching": False, "tensor_parallel_size": 2,
                                     "cpu_kvcache_space_gib": 0.5}
-
-
-def test_server_on_the_cpu_takes_vllms_server_budget_unless_told(sharp_tiny_model):
-    folder = sharp_tiny_model[0]
-    config = server_config(folder, {"device": "cpu"})
-    assert (config.max_num_batched_tokens, config.max_num_seqs) == (2048, 128)
-    config = server_config(folder, {"device": "cpu", "max_num_batched_tokens": 4096})
-    assert (config.max_num_batched_tokens, config.max_num_seqs) == (4096, 128)
-    config = server_config(folder, {"device": "cpu", "max_num_batched_tokens": 32})
-    assert (config.max_num_batched_tokens, config.max_num_seqs) == (32, 32)
 
 
 def test_response_format_and_structured_outputs_map_onto_engine_params():

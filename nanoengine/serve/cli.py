@@ -33,9 +33,6 @@ from nanoengine.serve.metrics import Metrics
 from nanoengine.utils.default_model import default_model_path
 
 ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
-# vLLM's server defaults on the CPU, below LLM's: with a smaller step budget a burst of prompts is
-# prefilled in shorter steps, so the first tokens come out one chunk after another instead of together.
-CPU_SERVER_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +107,7 @@ def serve(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
     try:
-        # Every process the same command line starts takes the same defaults, so that the nodes agree.
-        config = server_config(args.model or default_model_path(), engine_options(args))
+        config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
     if config.node_ranks()[0] != 0:
@@ -119,16 +115,6 @@ def serve(argv: list[str] | None = None) -> int:
     if args.headless:
         return run_headless(parser, config)
     return asyncio.run(run_server(args, config))
-
-
-def server_config(model: str, options: dict) -> EngineConfig:
-    config = EngineConfig.from_options(model, options)
-    if config.device != "cpu":
-        return config
-    defaults = dict(CPU_SERVER_DEFAULTS)
-    budget = options.get("max_num_batched_tokens", defaults["max_num_batched_tokens"])
-    defaults["max_num_seqs"] = min(defaults["max_num_seqs"], budget)  # as LLM's: never above the budget
-    return EngineConfig.from_options(model, defaults | options)
 
 
 def run_headless(parser: argparse.ArgumentParser, config: EngineConfig) -> int:
