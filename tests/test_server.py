@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
-from nanoengine.sampling_params import StructuredOutputsParams
+from nanoengine.sampling_params import StructuredOutputsParams, field_error
 from nanoengine.serve.cli import build_parser, engine_options
+from nanoengine.serve.engine_core import EngineCoreRequest, handle
 from nanoengine.serve.protocol import CompletionRequest, ResponseFormat, structured_outputs_params
 
 KEY = "test-key"
@@ -310,6 +311,18 @@ def test_every_llm_option_is_a_flag():
     assert (args.model, args.port, args.host) == ("/some/model", 9000, "127.0.0.1")
     assert engine_options(args) == {"max_num_seqs": 64, "enable_prefix_caching": False, "tensor_parallel_size": 2,
                                     "cpu_kvcache_space_gib": 0.5}
+
+
+def test_an_engine_core_refusal_names_the_field_at_fault():
+    class RefusingEngine:
+        def enqueue(self, request):
+            raise AssertionError("a refused request is never queued")
+
+        def make_request(self, *args):
+            raise field_error("max_tokens", "max_tokens: too many")
+
+    request = EngineCoreRequest("cmpl-1", [1, 2], SamplingParams(), 0, 0.0)
+    assert handle(RefusingEngine(), request) == {"cmpl-1": ("max_tokens: too many", "max_tokens")}
 
 
 def test_response_format_and_structured_outputs_map_onto_engine_params():

@@ -106,7 +106,7 @@ class OpenAIServer:
         except EngineUnavailableError as error:
             raise engine_gone(str(error)) from error
         except ValueError as error:  # refused by the engine core
-            raise APIError(400, str(error)) from error
+            raise APIError(400, str(error), getattr(error, "param", None)) from error
 
     async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool, http: Request):
         base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}

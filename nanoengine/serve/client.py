@@ -27,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
+from nanoengine.sampling_params import field_error
 from nanoengine.serve.engine_core import (
     HEARTBEAT_MS,
     EngineCoreHello,
@@ -162,9 +163,9 @@ class EngineCoreClient:
         for output in message.outputs:
             if output.request_id in self.queues:
                 self.queues[output.request_id].put_nowait(output)
-        for request_id, why in message.refused.items():
+        for request_id, (why, param) in message.refused.items():
             if request_id in self.queues:
-                self.queues[request_id].put_nowait(ValueError(why))
+                self.queues[request_id].put_nowait(field_error(param, why))
         core.num_running = message.stats.num_running
         self.on_stats(core.rank, message.stats)
 

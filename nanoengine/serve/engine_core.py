@@ -46,7 +46,7 @@ class EngineCoreRequest:
 class EngineCoreOutputs:
     outputs: list[RequestOutput]
     stats: EngineStats
-    refused: dict[str, str] = field(default_factory=dict)  # request id -> why make_request refused it
+    refused: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # request id -> (why, field)
 
 
 @dataclass
@@ -172,8 +172,9 @@ def serve_forever(engine: LLMEngine, socket: zmq.Socket, front_watch, front_gone
         socket.send_pyobj(EngineCoreOutputs(step_outputs, stats, refused))
 
 
-def handle(engine: LLMEngine, message: EngineCoreRequest | list[str]) -> dict[str, str]:
-    """Queue a request or abort a list of ids; a request the engine refuses is reported, never raised."""
+def handle(engine: LLMEngine, message: EngineCoreRequest | list[str]) -> dict[str, tuple[str, str | None]]:
+    """Queue a request or abort a list of ids; a request the engine refuses is reported (why, and the field
+    at fault where the error names one), never raised."""
     if isinstance(message, list):
         engine.abort_request(message)
         return {}
@@ -182,5 +183,5 @@ def handle(engine: LLMEngine, message: EngineCoreRequest | list[str]) -> dict[st
         engine.enqueue(engine.make_request(message.request_id, prompt, message.params, message.priority,
                                            message.arrival_time))
     except Exception as error:  # the front validated it already: whatever fails now fails this request only
-        return {message.request_id: str(error)}
+        return {message.request_id: (str(error), getattr(error, "param", None))}
     return {}
