@@ -364,6 +364,8 @@ class LLMEngine:
 
     def keep_drafts_that_pay(self, decoding: list[Request]) -> None:
         drafted = [r for r in decoding if r.spec_token_ids]
+        if not drafted:
+            return  # nothing to cut: skip the fit, which runs every step
         kept = worth_drafting([r.draft_length.acceptance for r in drafted], [len(r.spec_token_ids) for r in drafted],
                               len(decoding), self.step_cost.fit())
         for request, num_kept in zip(drafted, kept):
