@@ -8,7 +8,7 @@ import torch
 from conftest import build_tiny_model, hf_greedy
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, truncate
+from nanoengine.layers.sampler import SamplingTensors, apply_penalties, exponential_noise, sample, truncate
 
 
 def tensors(rows: int = 1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> SamplingTensors:
@@ -23,6 +23,25 @@ def kept(probs: list[float], **filters) -> set[int]:
     """The token ids that survive the filters, for one row with these probabilities."""
     logits = torch.tensor([probs]).log()
     return set(torch.isfinite(truncate(logits, tensors(**filters))[0]).nonzero().flatten().tolist())
+
+
+def test_the_noise_is_exponential_and_never_zero():
+    noise = exponential_noise(torch.empty(200_000), torch.Generator().manual_seed(0))
+    assert noise.min() > 0
+    # Kolmogorov-Smirnov against Exp(1)'s CDF: at 200k draws the 1% critical distance is 1.63 / sqrt(n) = 0.0036.
+    ordered = noise.double().sort().values
+    cdf = 1 - torch.exp(-ordered)
+    n = len(ordered)
+    distance = torch.maximum(torch.arange(1, n + 1) / n - cdf, cdf - torch.arange(n) / n).max()
+    assert distance < 0.0036, distance
+
+
+def test_a_token_with_probability_zero_never_wins_even_at_zero_noise(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, generator=None: self.fill_(0.0))
+    logits = torch.tensor([[0.0, float("-inf"), 0.0]])
+    params = SamplingTensors(torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.0]), [None],
+                             all_greedy=False, any_top_k_or_p=False, any_min_p=False)
+    assert sample(logits, params, torch.Generator()).item() != 1
 
 
 def test_top_p_is_computed_over_what_top_k_keeps_renormalized():
