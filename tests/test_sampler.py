@@ -8,7 +8,7 @@ import torch
 from conftest import build_tiny_model, hf_greedy
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers.sampler import SamplingTensors, apply_penalties, exponential_noise, sample, truncate
+from nanoengine.layers.sampler import SamplingTensors, apply_penalties, exponential_noise, sample, top_k_top_p, truncate
 
 
 def tensors(rows: int = 1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> SamplingTensors:
@@ -16,7 +16,7 @@ def tensors(rows: int = 1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> S
         temperatures=torch.full((rows,), float(temperature)), top_ks=torch.full((rows,), top_k),
         top_ps=torch.full((rows,), float(top_p)), min_ps=torch.full((rows,), float(min_p)),
         generators=[None] * rows, all_greedy=temperature == 0, any_top_k_or_p=top_k > 0 or top_p < 1,
-        any_min_p=min_p > 0)
+        any_min_p=min_p > 0, max_top_k=max(top_k, 0))
 
 
 def kept(probs: list[float], **filters) -> set[int]:
@@ -42,6 +42,39 @@ def test_a_token_with_probability_zero_never_wins_even_at_zero_noise(monkeypatch
     params = SamplingTensors(torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.0]), [None],
                              all_greedy=False, any_top_k_or_p=False, any_min_p=False)
     assert sample(logits, params, torch.Generator()).item() != 1
+
+
+def top_k_cases(seed: int, rows: int = 12, vocab: int = 4096):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    top_ks = torch.randint(2, 990, (rows,), generator=gen)
+    top_ks[0] = 999  # the largest k, so row 5's ties below its k-th fall inside the top part
+    top_ps = torch.rand(rows, generator=gen).clamp(min=0.05)
+    top_ps[::3] = 1.0  # top-k alone
+    # Row 5: its k-th largest tied with the two logits below it (all three stay).
+    ranked = logits[5].argsort(descending=True)
+    logits[5, ranked[top_ks[5] - 2:top_ks[5] + 2]] = logits[5, ranked[top_ks[5] - 1]].item()
+    return logits, top_ks, top_ps
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sorting_only_the_top_k_keeps_what_the_full_sort_keeps(seed, monkeypatch):
+    logits, top_ks, top_ps = top_k_cases(seed)
+    full = top_k_top_p(logits, top_ks, top_ps)
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *args, **kwargs: pytest.fail("sorted the whole vocabulary"))
+    top_part = top_k_top_p(logits, top_ks, top_ps, max_top_k=int(top_ks.max()))
+    assert torch.equal(torch.isfinite(top_part), torch.isfinite(full))
+    assert torch.equal(top_part[torch.isfinite(full)], logits[torch.isfinite(full)])
+    assert torch.isfinite(full[5]).sum() >= top_ks[5] + 2 or top_ps[5] < 1  # the ties stayed
+
+
+def test_more_ties_than_the_top_part_holds_take_the_full_sort():
+    logits, top_ks, top_ps = top_k_cases(0)
+    logits[3] = 1.0  # every logit tied: top-k keeps them all
+    full = top_k_top_p(logits, top_ks, top_ps)
+    top_part = top_k_top_p(logits, top_ks, top_ps, max_top_k=int(top_ks.max()))
+    assert torch.equal(top_part, full)
+    assert torch.isfinite(full[3]).all()  # top-p is off on row 3
 
 
 def test_top_p_is_computed_over_what_top_k_keeps_renormalized():
