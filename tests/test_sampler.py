@@ -8,7 +8,17 @@ import torch
 from conftest import build_tiny_model, hf_greedy
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers.sampler import SamplingTensors, apply_penalties, exponential_noise, sample, top_k_top_p, truncate
+from nanoengine.layers import sampler
+from nanoengine.layers.sampler import (
+    TOP_P_PART,
+    SamplingTensors,
+    apply_penalties,
+    exponential_noise,
+    sample,
+    top_k_top_p,
+    top_k_top_p_from_top_part,
+    truncate,
+)
 
 
 def tensors(rows: int = 1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> SamplingTensors:
@@ -16,7 +26,7 @@ def tensors(rows: int = 1, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> S
         temperatures=torch.full((rows,), float(temperature)), top_ks=torch.full((rows,), top_k),
         top_ps=torch.full((rows,), float(top_p)), min_ps=torch.full((rows,), float(min_p)),
         generators=[None] * rows, all_greedy=temperature == 0, any_top_k_or_p=top_k > 0 or top_p < 1,
-        any_min_p=min_p > 0, max_top_k=max(top_k, 0))
+        any_min_p=min_p > 0)
 
 
 def kept(probs: list[float], **filters) -> set[int]:
@@ -51,6 +61,8 @@ def top_k_cases(seed: int, rows: int = 12, vocab: int = 4096):
     top_ks[0] = 999  # the largest k, so row 5's ties below its k-th fall inside the top part
     top_ps = torch.rand(rows, generator=gen).clamp(min=0.05)
     top_ps[::3] = 1.0  # top-k alone
+    top_ks[1], top_ks[2], top_ps[2] = 0, 0, 1.0  # top-p alone; neither
+    logits[1], top_ps[1] = logits[1] / 4, 0.3  # flatter: the part holds about half the mass, the rest counts
     # Row 5: its k-th largest tied with the two logits below it (all three stay).
     ranked = logits[5].argsort(descending=True)
     logits[5, ranked[top_ks[5] - 2:top_ks[5] + 2]] = logits[5, ranked[top_ks[5] - 1]].item()
@@ -60,21 +72,25 @@ def top_k_cases(seed: int, rows: int = 12, vocab: int = 4096):
 @pytest.mark.parametrize("seed", range(3))
 def test_sorting_only_the_top_k_keeps_what_the_full_sort_keeps(seed, monkeypatch):
     logits, top_ks, top_ps = top_k_cases(seed)
-    full = top_k_top_p(logits, top_ks, top_ps)
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler, "top_k_top_p_from_top_part", lambda *args: None)
+        full = top_k_top_p(logits, top_ks, top_ps)
     monkeypatch.setattr(torch.Tensor, "sort", lambda *args, **kwargs: pytest.fail("sorted the whole vocabulary"))
-    top_part = top_k_top_p(logits, top_ks, top_ps, max_top_k=int(top_ks.max()))
+    top_part = top_k_top_p(logits, top_ks, top_ps)
     assert torch.equal(torch.isfinite(top_part), torch.isfinite(full))
     assert torch.equal(top_part[torch.isfinite(full)], logits[torch.isfinite(full)])
     assert torch.isfinite(full[5]).sum() >= top_ks[5] + 2 or top_ps[5] < 1  # the ties stayed
+    assert torch.isfinite(full[2]).all() and 1 < torch.isfinite(full[1]).sum() < TOP_P_PART
 
 
-def test_more_ties_than_the_top_part_holds_take_the_full_sort():
+# All 4,096 tied: top-k keeps every tie; top-p drops the 40 tokens whose mass from the bottom is <= 1%.
+@pytest.mark.parametrize("row, top_k, top_p, num_kept", [(3, 500, 1.0, 4096), (4, 0, 0.99, 4056)])
+def test_what_the_top_part_cannot_decide_takes_the_full_sort(row, top_k, top_p, num_kept):
+    """More ties at the k-th largest than the part holds; a top-p the part's mass falls short of."""
     logits, top_ks, top_ps = top_k_cases(0)
-    logits[3] = 1.0  # every logit tied: top-k keeps them all
-    full = top_k_top_p(logits, top_ks, top_ps)
-    top_part = top_k_top_p(logits, top_ks, top_ps, max_top_k=int(top_ks.max()))
-    assert torch.equal(top_part, full)
-    assert torch.isfinite(full[3]).all()  # top-p is off on row 3
+    logits[row], top_ks[row], top_ps[row] = 1.0, top_k, top_p  # every logit tied: the part holds a quarter
+    assert top_k_top_p_from_top_part(logits, torch.where(top_ks > 0, top_ks, logits.shape[1]), top_ps) is None
+    assert torch.isfinite(top_k_top_p(logits, top_ks, top_ps)[row]).sum() == num_kept
 
 
 def test_top_p_is_computed_over_what_top_k_keeps_renormalized():

@@ -25,7 +25,6 @@ from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import choose_linear_kernels
 from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
-from nanoengine.sampling_params import SamplingParams
 from nanoengine.utils.cpu_memory import keep_freed_memory
 from nanoengine.utils.loader import load_model
 
@@ -252,8 +251,7 @@ class ModelRunner:
             generators=[r.generator_at(r.num_output_tokens + j) for r, j, _ in rows],
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            max_top_k=max_top_k([p for p in params if not p.greedy]))
+            any_min_p=any(p.min_p > 0 for p in params))
         processed = ban_stop_tokens_before_min_tokens(logits, rows)
         if any(p.has_penalties for p in params):
             processed = apply_penalties(
@@ -288,12 +286,6 @@ class ModelRunner:
                                                   top_values.tolist()))))
                 row += count
         return results
-
-
-def max_top_k(sampling: list[SamplingParams]) -> int:
-    """The largest top-k of the rows that sample, or 0 where one of them has none (a greedy row's
-    truncation is never used)."""
-    return max(p.top_k for p in sampling) if sampling and all(p.top_k > 0 for p in sampling) else 0
 
 
 def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[tuple[Request, int, list[int]]]

@@ -33,7 +33,6 @@ class SamplingTensors:
     all_greedy: bool
     any_top_k_or_p: bool
     any_min_p: bool
-    max_top_k: int = 0  # the largest top-k of the rows; 0 where a row has none
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator) -> torch.Tensor:
@@ -67,34 +66,59 @@ def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         floor = t.min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     if t.any_top_k_or_p:
-        logits = top_k_top_p(logits, t.top_ks, t.top_ps, t.max_top_k)
+        logits = top_k_top_p(logits, t.top_ks, t.top_ps)
     return logits
 
 
-def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, max_top_k: int = 0) -> torch.Tensor:
-    """``max_top_k``: the largest top-k of the rows, 0 where a row has none. Where every row has a small one,
-    on the CPU, only each row's ``max_top_k`` largest logits are sorted (``topk``): sorting a row of a 49k
-    vocabulary takes about 2 ms there, 35 times as long. A row with more ties at its k-th largest than that
-    subset holds (they all stay) takes the full sort, so the result is the same either way. On a GPU the sort
-    is fast, and the check would make the host wait for the device."""
+TOP_P_PART = 1024  # a row with top-p and no top-k looks at its largest logits first: the full sort if they fall short
+
+
+def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     vocab_size = logits.shape[1]
     top_ks = torch.where(top_ks > 0, top_ks, vocab_size).clamp(max=vocab_size)
-    if logits.device.type == "cpu" and 0 < max_top_k <= vocab_size // 4:
-        largest, order = logits.topk(max_top_k, dim=-1)
-        kth_largest = largest.gather(1, (top_ks.clamp(max=max_top_k) - 1).unsqueeze(1))  # greedy rows: any k
-        if not ((logits >= kth_largest).sum(dim=-1) > max_top_k).any():
-            kept = keep_top_k_top_p(largest.flip(-1), kth_largest, top_ps)
-            return torch.full_like(logits, float("-inf")).scatter(1, order.flip(-1), kept)
+    if logits.device.type == "cpu":  # on a GPU the sort is fast, and the checks would make the host wait
+        kept = top_k_top_p_from_top_part(logits, top_ks, top_ps)
+        if kept is not None:
+            return kept
     ascending, order = logits.sort(dim=-1)
     kth_largest = ascending.gather(1, (vocab_size - top_ks).unsqueeze(1))
     return logits.scatter(1, order, keep_top_k_top_p(ascending, kth_largest, top_ps))
 
 
-def keep_top_k_top_p(ascending: torch.Tensor, kth_largest: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+def top_k_top_p_from_top_part(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor | None:
+    """The same result from each row's largest logits only (``topk``), or None where that cannot be sure of
+    it. Sorting a row of a 49k vocabulary takes about 2 ms on a CPU core, 35 times as long as ``topk`` of 50.
+    The part holds every row's k largest (a row whose ties at its k-th run past it needs more) and, for a
+    row with top-p and no top-k, the TOP_P_PART largest, which must hold top_p of the mass: every token below
+    them is then dropped, and the mass under the part counts in the cumulative sums above it."""
+    vocab_size = logits.shape[1]
+    has_k = top_ks < vocab_size
+    size = max(int(top_ks[has_k].max()) if has_k.any() else 0, 0 if has_k.all() else TOP_P_PART)
+    if size > vocab_size // 4:
+        return None
+    largest, order = logits.topk(size, dim=-1)
+    kth_largest = largest.gather(1, (top_ks.clamp(max=size) - 1).unsqueeze(1))
+    kth_largest = torch.where(has_k.unsqueeze(1), kth_largest, float("-inf"))
+    part_mass = (largest - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(dim=-1)
+    untouched = ~has_k & (top_ps >= 1)
+    ties_past = has_k & ((logits >= kth_largest).sum(dim=-1) > size)
+    too_little = ~has_k & ~untouched & (part_mass < top_ps)
+    if (ties_past | too_little).any():
+        return None
+    mass_below = torch.where(has_k, 0.0, 1 - part_mass).unsqueeze(1)
+    kept = keep_top_k_top_p(largest.flip(-1), kth_largest, top_ps, mass_below)
+    kept = torch.full_like(logits, float("-inf")).scatter(1, order.flip(-1), kept)
+    return torch.where(untouched.unsqueeze(1), logits, kept)
+
+
+def keep_top_k_top_p(ascending: torch.Tensor, kth_largest: torch.Tensor, top_ps: torch.Tensor,
+                     mass_below: torch.Tensor | float = 0.0) -> torch.Tensor:
     """Rows of logits in ascending order (the whole vocabulary, or a top part of it that holds every token
-    top-k keeps), with what top-k and then top-p drop set to -inf."""
+    top-k keeps), with what top-k and then top-p drop set to -inf. ``mass_below``: per row, the probability
+    of the tokens under the part, where top-p counts them."""
     ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
     mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # over top-k's survivors only
+    mass_up_to = mass_below + (1 - mass_below) * mass_up_to
     drop = mass_up_to <= 1 - top_ps.unsqueeze(1)
     drop[:, -1] = False  # the most likely token always stays
     return ascending.masked_fill(drop, float("-inf"))
