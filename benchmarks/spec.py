@@ -112,10 +112,10 @@ def random_tokens(model: str, dtype: str, workload: Workload | None = None) -> d
 def print_spec_table(report: dict) -> None:
     print(f"\nspec preset on {report['device']} ({report['model']}, {report['dtype']}), {report['speculative_config']}")
     names = [n for n in ("nanoengine", "nanoengine + ngram", "vLLM", "vLLM + ngram") if n in report["grounded"][0]]
-    print(f"{'at once':>8}" + "".join(f"{n + ' tok/s':>24}" for n in names) + f"{'speedup':>9}{'accepted':>10}"
+    print(f"{'at once':>8}" + "".join(f"{n + ' tok/s':>26}" for n in names) + f"{'speedup':>9}{'accepted':>10}"
           f"{'mean len':>10}" + (f"{'ours/vLLM+ngram':>17}" if "vLLM + ngram" in names else ""))
     for row in report["grounded"]:
-        line = f"{row['concurrency']:>8}" + "".join(f"{row[n]:>24,.1f}" for n in names)
+        line = f"{row['concurrency']:>8}" + "".join(f"{row[n]:>26,.1f}" for n in names)
         line += (f"{row['spec_speedup']:>8.2f}x{row['ours_acceptance_rate']:>10.0%}"
                  f"{row['ours_mean_acceptance_length']:>10.2f}")
         if "ours_over_vllm_ngram" in row:
