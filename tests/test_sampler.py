@@ -54,15 +54,16 @@ def test_a_token_with_probability_zero_never_wins_even_at_zero_noise(monkeypatch
     assert sample(logits, params, torch.Generator()).item() != 1
 
 
-def top_k_cases(seed: int, rows: int = 12, vocab: int = 4096):
+def top_k_cases(seed: int, every_row_has_k: bool = False, rows: int = 12, vocab: int = 4096):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen) * 4
     top_ks = torch.randint(2, 990, (rows,), generator=gen)
     top_ks[0] = 999  # the largest k, so row 5's ties below its k-th fall inside the top part
     top_ps = torch.rand(rows, generator=gen).clamp(min=0.05)
     top_ps[::3] = 1.0  # top-k alone
-    top_ks[1], top_ks[2], top_ps[2] = 0, 0, 1.0  # top-p alone; neither
-    logits[1], top_ps[1] = logits[1] / 4, 0.3  # flatter: the part holds about half the mass, the rest counts
+    if not every_row_has_k:
+        top_ks[1], top_ks[2], top_ps[2] = 0, 0, 1.0  # top-p alone; neither
+        logits[1], top_ps[1] = logits[1] / 4, 0.3  # flatter: the part holds about half the mass, the rest counts
     # Row 5, top-k alone: its k-th largest tied with the one above and the two below it (the two stay too).
     top_ps[5] = 1.0
     ranked = logits[5].argsort(descending=True)
@@ -70,9 +71,10 @@ def top_k_cases(seed: int, rows: int = 12, vocab: int = 4096):
     return logits, top_ks, top_ps
 
 
+@pytest.mark.parametrize("every_row_has_k", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_sorting_only_the_top_k_keeps_what_the_full_sort_keeps(seed, monkeypatch):
-    logits, top_ks, top_ps = top_k_cases(seed)
+def test_sorting_only_the_top_k_keeps_what_the_full_sort_keeps(seed, every_row_has_k, monkeypatch):
+    logits, top_ks, top_ps = top_k_cases(seed, every_row_has_k)
     with monkeypatch.context() as patch:
         patch.setattr(sampler, "top_k_top_p_from_top_part", lambda *args: None)
         full = top_k_top_p(logits, top_ks, top_ps)
@@ -81,7 +83,8 @@ def test_sorting_only_the_top_k_keeps_what_the_full_sort_keeps(seed, monkeypatch
     assert torch.equal(torch.isfinite(top_part), torch.isfinite(full))
     assert torch.equal(top_part[torch.isfinite(full)], logits[torch.isfinite(full)])
     assert torch.isfinite(full[5]).sum() == top_ks[5] + 2  # the ties stayed
-    assert torch.isfinite(full[2]).all() and 1 < torch.isfinite(full[1]).sum() < TOP_P_PART
+    if not every_row_has_k:
+        assert torch.isfinite(full[2]).all() and 1 < torch.isfinite(full[1]).sum() < TOP_P_PART
 
 
 # All 4,096 tied: top-k keeps every tie; top-p drops the 40 tokens whose mass from the bottom is <= 1%.

@@ -99,26 +99,29 @@ def top_k_top_p_from_top_part(logits: torch.Tensor, top_ks: torch.Tensor, top_ps
     largest, order = logits.topk(size, dim=-1)
     kth_largest = largest.gather(1, (top_ks.clamp(max=size) - 1).unsqueeze(1))
     kth_largest = torch.where(has_k.unsqueeze(1), kth_largest, float("-inf"))
+    if (has_k & ((logits >= kth_largest).sum(dim=-1) > size)).any():  # ties past the part
+        return None
+    kept = torch.full_like(logits, float("-inf"))
+    if has_k.all():
+        return kept.scatter(1, order.flip(-1), keep_top_k_top_p(largest.flip(-1), kth_largest, top_ps))
     part_mass = (largest - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(dim=-1)
     untouched = ~has_k & (top_ps >= 1)
-    ties_past = has_k & ((logits >= kth_largest).sum(dim=-1) > size)
-    too_little = ~has_k & ~untouched & (part_mass < top_ps)
-    if (ties_past | too_little).any():
+    if (~has_k & ~untouched & (part_mass < top_ps)).any():  # too little mass in the part
         return None
     mass_below = torch.where(has_k, 0.0, 1 - part_mass).unsqueeze(1)
-    kept = keep_top_k_top_p(largest.flip(-1), kth_largest, top_ps, mass_below)
-    kept = torch.full_like(logits, float("-inf")).scatter(1, order.flip(-1), kept)
+    kept = kept.scatter(1, order.flip(-1), keep_top_k_top_p(largest.flip(-1), kth_largest, top_ps, mass_below))
     return torch.where(untouched.unsqueeze(1), logits, kept)
 
 
 def keep_top_k_top_p(ascending: torch.Tensor, kth_largest: torch.Tensor, top_ps: torch.Tensor,
-                     mass_below: torch.Tensor | float = 0.0) -> torch.Tensor:
+                     mass_below: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of logits in ascending order (the whole vocabulary, or a top part of it that holds every token
     top-k keeps), with what top-k and then top-p drop set to -inf. ``mass_below``: per row, the probability
     of the tokens under the part, where top-p counts them."""
     ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
     mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # over top-k's survivors only
-    mass_up_to = mass_below + (1 - mass_below) * mass_up_to
+    if mass_below is not None:
+        mass_up_to = mass_below + (1 - mass_below) * mass_up_to
     drop = mass_up_to <= 1 - top_ps.unsqueeze(1)
     drop[:, -1] = False  # the most likely token always stays
     return ascending.masked_fill(drop, float("-inf"))
