@@ -261,7 +261,9 @@ def stream_in_background(url: str, events: list[str]) -> threading.Thread:
     return thread
 
 
-def test_killing_the_engine_core_fails_requests_and_exits_nonzero_leaving_no_process(sharp_tiny_model, tmp_path):
+@pytest.mark.parametrize("victim", ["engine core", "tensor-parallel rank 1"])
+def test_killing_the_engine_core_or_a_rank_fails_requests_naming_it_and_exits_leaving_no_process(
+        sharp_tiny_model, tmp_path, victim):
     log = tmp_path / "server.log"
     with log.open("w") as log_file, running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN),
                                                    "--tensor-parallel-size", "2", log=log_file) as (server, url):
@@ -269,12 +271,17 @@ def test_killing_the_engine_core_fails_requests_and_exits_nonzero_leaving_no_pro
         stream = stream_in_background(url, events)
         family = descendants(server.pid)
         core = next(pid for pid in family if os.getpgid(pid) == pid)  # the engine core leads its own group
-        assert len([pid for pid in family if alive(pid) and os.getpgid(pid) == core]) >= 2  # it and rank 1
-        os.kill(core, signal.SIGKILL)
+        [rank_1] = [pid for pid in family if alive(pid) and pid != core and os.getpgid(pid) == core]
+        os.kill(core if victim == "engine core" else rank_1, signal.SIGKILL)
         stream.join()
         assert server.wait(60) == 1
     assert '"code": 503' in events[-2] and events[-1] == "data: [DONE]"
-    assert f"the engine core (rank 0, pid {core}) died with exit code -9" in log.read_text()
+    if victim == "engine core":
+        why = f"the engine core (rank 0, pid {core}) died with exit code -9"
+    else:  # the core outlives its worker long enough to say which rank died
+        why = f"the engine core (rank 0, pid {core}) failed: RuntimeError: tensor-parallel rank 1 (pid {rank_1})"
+    assert why in json.loads(events[-2].removeprefix("data: "))["error"]["message"], events[-2]
+    assert why in log.read_text()
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
 
 

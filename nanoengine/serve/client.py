@@ -30,6 +30,7 @@ from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import field_error
 from nanoengine.serve.engine_core import (
     HEARTBEAT_MS,
+    EngineCoreFailed,
     EngineCoreHello,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -121,6 +122,8 @@ class EngineCoreClient:
                 continue  # from a core declared dead meanwhile
             elif isinstance(message, EngineCoreReady):
                 self.core_ready(core, message)
+            elif isinstance(message, EngineCoreFailed):
+                self.core_died(core, f"{core.describe()} failed: {message.why}")
             else:
                 self.route_outputs(core, message)
 
@@ -173,7 +176,8 @@ class EngineCoreClient:
         asyncio.get_running_loop().remove_reader(core.process.sentinel)
         core.process.join()
         self.kill_process_group(core.process)
-        self.core_died(core, f"{core.describe()} died with exit code {core.process.exitcode}")
+        if not core.dead:  # else it said why before it exited
+            self.core_died(core, f"{core.describe()} died with exit code {core.process.exitcode}")
 
     def core_died(self, core: EngineCore, why: str) -> None:
         if not self.all_ready.done():

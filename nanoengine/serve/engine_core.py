@@ -5,7 +5,8 @@ core on another node) and says who it is (``EngineCoreHello``: its rank and its 
 The front answers None, or why it refuses the core (another model or config); an accepted core loads
 the model and sends ``EngineCoreReady``. From then on the front sends ``EngineCoreRequest``s and abort
 lists; after each wake-up the core answers with one ``EngineCoreOutputs`` (the step's DELTA outputs,
-requests it refused, a stats snapshot). With nothing to run it blocks on its socket and on a sign
+requests it refused, a stats snapshot), or, when a step fails, with ``EngineCoreFailed`` (the error, which
+names a dead tensor-parallel rank) before it exits. With nothing to run it blocks on its socket and on a sign
 that the front is gone (its parent's sentinel, or for a headless core the socket's disconnection),
 so it never spins, and it exits at once when the front dies. A local core runs in a process group of
 its own, so the front can sweep it and its tensor-parallel workers with one signal if it is killed.
@@ -47,6 +48,11 @@ class EngineCoreOutputs:
     outputs: list[RequestOutput]
     stats: EngineStats
     refused: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # request id -> (why, field)
+
+
+@dataclass
+class EngineCoreFailed:
+    why: str  # the error that ends the core (the front fails its requests with it: it names a dead rank)
 
 
 @dataclass
@@ -164,7 +170,11 @@ def serve_forever(engine: LLMEngine, socket: zmq.Socket, front_watch, front_gone
         refused = {}
         while socket.poll(0):
             refused.update(handle(engine, socket.recv_pyobj()))
-        step_outputs = engine.step() if engine.has_unfinished_requests() else []
+        try:
+            step_outputs = engine.step() if engine.has_unfinished_requests() else []
+        except Exception as error:
+            socket.send_pyobj(EngineCoreFailed(f"{type(error).__name__}: {error}"))
+            raise
         for output in step_outputs:  # the front has them: not worth resending each step (and node to node)
             output.prompt_token_ids = None
         stats = engine.stats()
