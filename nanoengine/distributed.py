@@ -90,9 +90,11 @@ def init_group(store: dist.Store, rank: int, world_size: int, device: torch.devi
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
-def start_stepping() -> None:
-    """Every rank has loaded: from now on a collective fails after STEP_TIMEOUT."""
-    dist.distributed_c10d._set_pg_timeout(STEP_TIMEOUT)
+def start_stepping(*more_groups: dist.ProcessGroup) -> None:
+    """Every rank has loaded: from now on a collective (of the default group and ``more_groups``) fails after
+    STEP_TIMEOUT."""
+    for group in (None, *more_groups):
+        dist.distributed_c10d._set_pg_timeout(STEP_TIMEOUT, group)
 
 
 def destroy_group() -> None:

@@ -86,7 +86,9 @@ class MultiprocExecutor(UniProcExecutor):
                                             rank_device(config.device, 0, world_size, config.ranks_per_node))
             self.health.watch()
             super().__init__(config)
-            start_stepping()
+            # Rank 0 sends each step when it is ready (the workers wait for it without a limit); a worker
+            # whose node vanished, never taking it, must not hold rank 0 either.
+            start_stepping(self.control_group)
         except BaseException as exc:
             destroy_group()
             self.health.fail(exc, "starting (a script that creates a tensor-parallel LLM must do so under "

@@ -9,8 +9,9 @@ ended. A worker holds no scheduler and samples nothing.
 
 Each worker beats a counter in the store twice a second; rank 0's executor
 reads them to tell a dead rank from a slow one. A worker ends itself when the
-store is gone (its head died), when the head gives up on the group, or when
-the process that started it dies: nothing is left orphaned.
+store is gone (its head died) or silent for 5 s (its node vanished), when the
+head gives up on the group, or when the process that started it dies:
+nothing is left orphaned.
 """
 
 import multiprocessing
@@ -19,6 +20,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import NamedTuple
 
@@ -31,6 +33,7 @@ from nanoengine.distributed import another_client, connect_store, destroy_group,
 from nanoengine.engine.model_runner import ModelRunner, StepInputs
 
 HEARTBEAT_INTERVAL_S = 0.5
+HEAD_SILENCE_S = 5.0  # a head whose store has not answered a heartbeat this long is gone
 GIVE_UP_KEY = "nanoengine/give_up"  # set by rank 0 when the group is broken or closing: every worker exits
 JOIN_TIMEOUT_S = 30  # how long a closing node waits for a worker to exit before killing it
 
@@ -183,18 +186,34 @@ def receive_step(control_group: dist.ProcessGroup) -> StepMessage | None:
 
 
 def send_heartbeats(store: dist.Store, rank: int, stopping: threading.Event) -> None:
-    """Beat until the worker stops; end the process at once when the head is gone or has given up."""
+    """Beat until the worker stops; end the process at once when the head is gone, silent or has given up."""
     parent = multiprocessing.parent_process()
+    answered_at = [time.monotonic()]  # when the head's store last answered
+    threading.Thread(target=exit_if_head_silent, args=(answered_at, rank, stopping), daemon=True,
+                     name="nanoengine-head-watch").start()
     while True:
         try:
             store.add(heartbeat_key(rank), 1)
             why = store.get(GIVE_UP_KEY).decode() if store.check([GIVE_UP_KEY]) else None
+            answered_at[0] = time.monotonic()
         except Exception:  # rank 0 hosts the store (torchrun: its agent)
             why = "the head is gone (its store cannot be reached)"
         if why is None and parent is not None and not parent.is_alive():
             why = "the process that started it is gone"
         if why and not stopping.is_set():
-            print(f"nanoengine: tensor-parallel rank {rank} exits: {why}", file=sys.stderr, flush=True)
-            os._exit(1)  # the main thread may sit in a collective that will never complete
+            exit_worker(rank, why)
         if stopping.wait(HEARTBEAT_INTERVAL_S):
             return
+
+
+def exit_if_head_silent(answered_at: list[float], rank: int, stopping: threading.Event) -> None:
+    """A head node that vanished without closing its connections (power lost, cable pulled) leaves a store
+    call waiting forever (the store's timeout does not bound it): its silence ends the worker instead."""
+    while not stopping.wait(HEARTBEAT_INTERVAL_S):
+        if time.monotonic() - answered_at[0] > HEAD_SILENCE_S:
+            exit_worker(rank, f"the head's store has not answered for {HEAD_SILENCE_S:g} s (its node is gone)")
+
+
+def exit_worker(rank: int, why: str) -> None:
+    print(f"nanoengine: tensor-parallel rank {rank} exits: {why}", file=sys.stderr, flush=True)
+    os._exit(1)  # the main thread may sit in a collective that will never complete
