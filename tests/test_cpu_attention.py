@@ -106,6 +106,25 @@ def test_the_decode_kernel_writes_exactly_the_decode_rows(decode_kernel):
     assert out[~written].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernel_stores_kv_as_torch_does_skipping_padding_rows(dtype, decode_kernel):
+    """From strided views of a QKV projection's rows, as the models pass them, into NaN caches."""
+    torch.manual_seed(5)
+    num_kv_heads, head_dim, num_tokens = 2, 64, 9
+    qkv = torch.randn(num_tokens, (3 + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    _, k, v = qkv.split([3 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    k, v = (x.view(num_tokens, num_kv_heads, head_dim) for x in (k, v))
+    slots = torch.tensor([5, -1, 0, 63, 17, -1, 18, 40, 2])
+    caches = [torch.full((4, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+    torch_backend.store_kv(k, v, caches[0], caches[1], slots)
+    decode_kernel.store_kv(k, v, caches[2], caches[3], slots)
+    for expected, stored in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(stored, expected, atol=0, rtol=0, equal_nan=True)
+    assert caches[2].flatten(0, 1)[slots[slots >= 0]].isfinite().all()
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache"):
+        decode_kernel.store_kv(k, v, caches[2], caches[3], torch.full((num_tokens,), 64))
+
+
 def test_a_kernel_that_cannot_be_built_leaves_decodes_to_sdpa(monkeypatch, caplog):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")

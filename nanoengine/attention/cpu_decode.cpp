@@ -81,6 +81,7 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int num_heads = q.size(1), head_dim = q.size(2);
   const int block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t token_stride = int64_t(num_kv_heads) * head_dim, table_stride = block_tables.stride(0);
+  const int64_t q_token_stride = q.stride(0);
   auto attend = head_dim == 64 ? attend_group<T, 64> : head_dim == 128 ? attend_group<T, 128> : attend_group<T, 0>;
   const T *q_data = q.data_ptr<T>(), *k_data = k_cache.data_ptr<T>(), *v_data = v_cache.data_ptr<T>();
   const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
@@ -91,22 +92,26 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
     std::vector<float> q_scaled(group * head_dim), work(block_size + group * (2 + head_dim));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t first = (row_of[i] * num_heads + kv_head * group) * head_dim;  // the group's first q element
-      for (int e = 0; e < group * head_dim; ++e) q_scaled[e] = float(q_data[first + e]) * scale;
+      const int64_t head = kv_head * group * head_dim;  // the group's first element in a row of q and out
+      const T* q_row = q_data + row_of[i] * q_token_stride + head;
+      for (int e = 0; e < group * head_dim; ++e) q_scaled[e] = float(q_row[e]) * scale;
       attend(q_scaled.data(), k_data + kv_head * head_dim, v_data + kv_head * head_dim, tables + i * table_stride,
-             lens[i], block_size, token_stride, group, head_dim, out_data + first, work.data());
+             lens[i], block_size, token_stride, group, head_dim, out_data + row_of[i] * num_heads * head_dim + head,
+             work.data());
     }
   });
 }
 
-// q, out: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// q, out: [num_tokens, num_heads, head_dim] (q's rows may be strided: a view of the QKV projection); caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables [num_decodes, max_blocks] and seq_lens [num_decodes] int32; rows [num_decodes] int64: the
 // query row of each decoding request. Only those rows of ``out`` are written.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                       double scale, const at::Tensor& out) {
-  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens, &rows, &out})
+  for (const at::Tensor* t : {&k_cache, &v_cache, &block_tables, &seq_lens, &rows, &out})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "decode_attention takes contiguous CPU tensors");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "decode_attention: each row of q (a token's heads) contiguous");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
@@ -117,7 +122,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               rows.scalar_type() == at::kLong, "decode_attention: int32 block tables and lengths, int64 rows");
   TORCH_CHECK(block_tables.size(0) == rows.size(0) && seq_lens.size(0) == rows.size(0),
               "decode_attention: one block table, length and row per decoding request");
-  TORCH_CHECK(seq_lens.numel() == 0 || seq_lens.min().item<int>() >= 1, "decode_attention: a context is empty");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(std::all_of(lens, lens + seq_lens.numel(), [](int32_t n) { return n >= 1; }),
+              "decode_attention: a context is empty");
   const auto run = [&](auto element) {
     using T = decltype(element);
     decode_attention_typed<T>(q, k_cache, v_cache, block_tables, seq_lens, rows, float(scale), out);
@@ -134,6 +141,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out);
 void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
@@ -141,4 +150,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, release);
   m.def("silu_and_mul", &silu_and_mul, release);
   m.def("rotary", &rotary, release);
+  m.def("store_kv", &store_kv, release);
 }

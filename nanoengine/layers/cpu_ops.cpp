@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -119,4 +120,31 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
       }
     });
   });
+}
+
+// k_cache.view(-1, kv_heads, head_dim)[slot] = k[t] (and so for v) for every token t whose slot is not -1 (a
+// padding row): torch_backend.store_kv's two index_put calls and its padding check, in one pass. k, v:
+// [tokens, kv_heads, head_dim] with each token's heads contiguous (views of the QKV projection's rows);
+// caches contiguous [blocks, block_size, kv_heads, head_dim]; slot_mapping [tokens] int64.
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && slot_mapping.numel() == k.size(0),
+              "store_kv: k, v [tokens, kv_heads, head_dim], caches [blocks, block_size, kv_heads, head_dim], a slot "
+              "per token");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                t->scalar_type() == k_cache.scalar_type(), "store_kv: each token's heads contiguous, of the cache's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous() &&
+              slot_mapping.scalar_type() == at::kLong, "store_kv: contiguous caches, int64 slots");
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size(), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const char *k_data = static_cast<const char*>(k.data_ptr()), *v_data = static_cast<const char*>(v.data_ptr());
+  char *k_out = static_cast<char*>(k_cache.data_ptr()), *v_out = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    if (slots[t] < 0) continue;
+    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " is outside the cache");
+    std::memcpy(k_out + slots[t] * row_bytes, k_data + t * k.stride(0) * k.element_size(), row_bytes);
+    std::memcpy(v_out + slots[t] * row_bytes, v_data + t * v.stride(0) * v.element_size(), row_bytes);
+  }
 }
