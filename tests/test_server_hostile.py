@@ -178,6 +178,11 @@ def resident_mib(pid: int) -> float:
     return int(fields["VmRSS"].split()[0]) / 1024
 
 
+# What "at once" allows: a 20 MB body once held every client for 9-13 s, while the normal request takes
+# 0.35-0.7 s even on a machine that other test runs load.
+STALL_S = 3.0
+
+
 def test_while_a_20_mb_body_and_a_deep_schema_are_refused_others_are_served_at_once(server, normal_tokens):
     process, url = server
     memory_before = resident_mib(process.pid)
@@ -197,10 +202,10 @@ def test_while_a_20_mb_body_and_a_deep_schema_are_refused_others_are_served_at_o
         for _ in range(3):
             start = time.monotonic()
             assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-            assert time.monotonic() - start < 1.0
+            assert time.monotonic() - start < STALL_S
             start = time.monotonic()
             assert normal_text(url) == normal_tokens
-            assert time.monotonic() - start < 1.0
+            assert time.monotonic() - start < STALL_S
     finally:
         stop.set()
         for attacker in attackers:
