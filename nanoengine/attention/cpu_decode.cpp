@@ -112,7 +112,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "decode_attention takes contiguous CPU tensors");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "decode_attention: each row of q (a token's heads) contiguous");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+  TORCH_CHECK(out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "decode_attention: the caches' head_dim or KV heads do not fit q");
