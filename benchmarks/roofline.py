@@ -1,5 +1,6 @@
 """The roofline: a step's FLOPs over a measured matmul rate and its bytes over a measured read bandwidth."""
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from benchmarks.common import Step, sync
-from nanoengine.layers.linear import can_pack_for_onednn, linear, pack_for_onednn
+from nanoengine.layers.linear import kernels_for, linear, only_kernel
 from nanoengine.models.llama import head_dim_of
 from nanoengine.utils.cpu_info import cpu_flags, cpu_model
 
@@ -26,14 +27,14 @@ def time_best(fn, reps: int) -> float:
     return best
 
 def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
-    """The faster of torch's matmul and, on the CPU, the oneDNN kernel our linears can use (torch's goes
-    through MKL, which can leave half of an AMD CPU's vector width unused)."""
+    """The fastest of the kernels our linears can use: torch's matmul and, on the CPU, oneDNN's (torch's goes
+    through MKL, which can leave half of an AMD CPU's vector width unused) and the weight widened to float32
+    (faster for bfloat16 on a CPU without AMX)."""
     n = 8192 if device == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     seconds = time_best(lambda: a @ b, reps=10)
-    if can_pack_for_onednn(b):
-        packed = pack_for_onednn(b)
-        seconds = min(seconds, time_best(lambda: linear(a, b, packed_weight=packed), reps=10))
+    for kernel in kernels_for(b)[1:]:
+        seconds = min(seconds, time_best(functools.partial(linear, a, b, choice=only_kernel(b, kernel)), reps=10))
     return 2 * n**3 / seconds
 
 

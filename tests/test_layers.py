@@ -1,5 +1,7 @@
 """Layers whose CPU fast paths must not change the math."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,15 +21,15 @@ class TwoLinears(nn.Module):
     def __init__(self, dtype: torch.dtype):
         super().__init__()
         self.first, self.second = nn.Linear(96, 40, dtype=dtype), nn.Linear(40, 8, bias=False, dtype=dtype)
-        self.first.packed_weight = self.second.packed_weight = None
+        self.first.kernel_choice = self.second.kernel_choice = None
 
 
 def assert_linears_match_f_linear(model: TwoLinears, rows: int, tolerance: float = 1e-5) -> None:
     x = torch.randn(rows, 96, dtype=model.first.weight.dtype)
     # The second layer's input is a non-contiguous view.
     for layer, inputs in ((model.first, x), (model.second, x[:, :40])):
-        out = linear(inputs, layer.weight, layer.bias, layer.packed_weight)
-        assert out.shape == (rows, layer.out_features)
+        out = linear(inputs, layer.weight, layer.bias, layer.kernel_choice)
+        assert out.shape == (rows, layer.out_features) and out.dtype == inputs.dtype
         torch.testing.assert_close(out, F.linear(inputs, layer.weight, layer.bias), rtol=tolerance, atol=tolerance)
 
 
@@ -39,28 +41,64 @@ def test_every_linear_kernel_choice_matches_f_linear(kernel, rows, monkeypatch, 
     torch.manual_seed(rows)
     model = TwoLinears(torch.float32)
     choose_linear_kernels(model, kernel)
-    packed = [layer.packed_weight for layer in (model.first, model.second)]
+    choices = [layer.kernel_choice for layer in (model.first, model.second)]
     if kernel == "onednn":
-        assert all(p is not None and all(p.used_at) for p in packed)
+        assert all(c is not None and set(c.used_at) == {"onednn"} for c in choices)
     if kernel == "torch":
-        assert packed == [None, None]
+        assert choices == [None, None]
     assert_linears_match_f_linear(model, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 33, 300])
+def test_weights_widened_to_float32_give_f_linear_in_float32_narrowed(dtype, rows):
+    """The product of two 16-bit floats is exact in float32, so the widened kernel is the float32 product of
+    the same values, rounded once; the shared scratch holds each layer's weight only while it multiplies."""
+    torch.manual_seed(rows)
+    model = TwoLinears(dtype)
+    choose_linear_kernels(model, "float32")
+    first, second = model.first.kernel_choice, model.second.kernel_choice
+    assert first.used_at == ("float32",) * 4 and first.scratch is second.scratch
+    assert first.scratch.numel() == 96 * 40 and first.packed is None
+    first.scratch.fill_(float("nan"))
+    x = torch.randn(rows, 96, dtype=dtype)
+    for layer, inputs in ((model.first, x), (model.second, x[:, :40])):
+        out = linear(inputs, layer.weight, layer.bias, layer.kernel_choice)
+        bias = None if layer.bias is None else layer.bias.float()
+        expected = F.linear(inputs.float(), layer.weight.float(), bias).to(dtype)
+        assert out.dtype == dtype and torch.equal(out, expected)
+        torch.testing.assert_close(out, F.linear(inputs, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
 
 
 @needs_onednn
 def test_measured_choice_is_cached_per_machine_and_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
-    chosen = {"40x96 float32": [False, True, True], "8x40 float32": [False, False, False]}
-    monkeypatch.setattr(linear_module, "onednn_faster_at", lambda weight, _: chosen[linear_module.shape_key(weight)])
+    chosen = {"40x96 float32": ["torch", "onednn", "onednn", "onednn"], "8x40 float32": ["torch"] * 4}
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight: chosen[linear_module.shape_key(weight)])
     model = TwoLinears(torch.float32)
     choose_linear_kernels(model)
-    assert model.first.packed_weight.used_at == (False, True, True) and model.second.packed_weight is None
-    monkeypatch.setattr(linear_module, "onednn_faster_at", lambda weight, _: pytest.fail("timed again"))
+    assert model.first.kernel_choice.used_at == ("torch", "onednn", "onednn", "onednn")
+    assert model.second.kernel_choice is None
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight: pytest.fail("timed again"))
     again = TwoLinears(torch.float32)
     choose_linear_kernels(again)
-    assert again.first.packed_weight.used_at == (False, True, True)
+    assert again.first.kernel_choice.used_at == ("torch", "onednn", "onednn", "onednn")
     for rows in (1, 5, 40):
         assert_linears_match_f_linear(again, rows)
+
+
+@needs_onednn
+def test_an_older_cache_entry_is_timed_again(monkeypatch, tmp_path):
+    """An entry written by a version with other buckets or kernels (here: one flag per three buckets) is
+    replaced, not misread."""
+    monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
+    model = TwoLinears(torch.float32)
+    machine = f"{linear_module.cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
+    old = {"40x96 float32": [False, True, True], "8x40 float32": ["torch", "float32", "torch", "torch"]}
+    (tmp_path / "linear-kernels.json").write_text(json.dumps({machine: old}))
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight: ["onednn"] * 4)
+    choose_linear_kernels(model)
+    assert model.first.kernel_choice.used_at == model.second.kernel_choice.used_at == ("onednn",) * 4
 
 
 def test_unknown_kernel_is_refused():
@@ -79,7 +117,7 @@ def test_onednn_linear_bfloat16():
 def test_weights_that_onednn_cannot_take_stay_unpacked():
     model = TwoLinears(torch.float16)
     choose_linear_kernels(model, "onednn")
-    assert model.first.packed_weight is None and model.second.packed_weight is None
+    assert model.first.kernel_choice is None and model.second.kernel_choice is None
 
 
 # The small ops' C++ kernels (layers/cpu_ops.cpp) against the torch modules -----------------------------------

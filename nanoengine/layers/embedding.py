@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed import all_reduce, gather_on_rank0, tp_rank, tp_size
-from nanoengine.layers.linear import PackedWeight, divide, linear
+from nanoengine.layers.linear import KernelChoice, divide, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,7 +33,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
-        self.packed_weight: PackedWeight | None = None  # see choose_linear_kernels
+        self.kernel_choice: KernelChoice | None = None  # see choose_linear_kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_on_rank0(linear(hidden, self.weight, packed_weight=self.packed_weight), dim=-1)
+        return gather_on_rank0(linear(hidden, self.weight, choice=self.kernel_choice), dim=-1)

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,21 +24,27 @@ logger = logging.getLogger(__name__)
 
 # On the CPU, torch's F.linear calls MKL, which on AMD processors runs its AVX2 code; oneDNN picks its kernels
 # by instruction set and runs AVX-512 there. On an Intel CPU both run AVX-512, and at one row MKL can be the
-# faster. So the kernel is chosen by measurement: for each weight shape and row-count bucket, the faster one.
-# oneDNN wants the weight in its own blocked layout, made once. torch exposes this pair of ops only privately
-# (its compiler uses them), so both calls are kept to this file.
+# faster. And a CPU without AMX may multiply bfloat16 more slowly than float32 (one Xeon here: 150 against 250
+# GFLOP/s): for many rows, widening the weight to float32 into a scratch buffer and multiplying in float32 is
+# then the faster, and exact (a product of two bfloat16 or float16 values is exact in float32, which is also
+# what the narrow kernels accumulate in). So the kernel is chosen by measurement: for each weight shape and
+# row-count bucket, the fastest. oneDNN wants the weight in its own blocked layout, made once. torch exposes
+# this pair of ops only privately (its compiler uses them), so both calls are kept to this file.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
-ROW_BUCKETS = (1, 8, 32)  # a call with <= 1, <= 8 or more rows takes the kernel timed at these rows
-KERNELS = ("auto", "onednn", "torch")
+ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows takes the kernel timed at these rows
+KERNELS = ("torch", "onednn", "float32")  # F.linear, oneDNN's packed weight, widened to float32
+CHOICES = ("auto", *KERNELS)
 
 
 @dataclass
-class PackedWeight:
-    """A weight in oneDNN's layout, and per row bucket whether ``linear`` multiplies through it."""
+class KernelChoice:
+    """Per row bucket, the kernel ``linear`` multiplies by one weight with, and what those kernels need."""
 
-    tensor: torch.Tensor
-    used_at: tuple[bool, ...] = (True,) * len(ROW_BUCKETS)
+    used_at: tuple[str, ...]
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout, where a bucket uses "onednn"
+    scratch: torch.Tensor | None = None  # float32, at least the weight's size (shared by the model's layers)
 
 
 def row_bucket(rows: int) -> int:
@@ -46,9 +52,13 @@ def row_bucket(rows: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed_weight: PackedWeight | None = None) -> torch.Tensor:
-    if packed_weight is not None and packed_weight.used_at[row_bucket(x.shape[:-1].numel())]:
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight.tensor, bias, "none", [None], "")
+           choice: KernelChoice | None = None) -> torch.Tensor:
+    kernel = choice.used_at[row_bucket(x.shape[:-1].numel())] if choice is not None else "torch"
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
+    if kernel == "float32":
+        wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
+        return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -58,59 +68,82 @@ def can_pack_for_onednn(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_for_onednn(weight: torch.Tensor) -> PackedWeight:
-    """A copy of ``weight`` in oneDNN's layout, for ``linear(..., packed_weight=)`` at every row count."""
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT))
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` in oneDNN's layout, for ``linear`` at every row count."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
+
+
+def kernels_for(weight: torch.Tensor) -> tuple[str, ...]:
+    """The kernels that can multiply by this weight (on the CPU)."""
+    if weight.device.type != "cpu":
+        return ("torch",)
+    return ("torch",) + ("onednn",) * can_pack_for_onednn(weight) + ("float32",) * (weight.dtype in WIDENED_DTYPES)
 
 
 def choose_linear_kernels(model: nn.Module, kernel: str = "auto") -> None:
-    """Give every linear layer (and the LM head) oneDNN's packed weight where, for its shape and row bucket,
-    oneDNN beats F.linear: measured once per machine and cached (``kernel="auto"``), or forced."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    layers = [m for m in model.modules() if hasattr(m, "packed_weight") and can_pack_for_onednn(m.weight)]
-    for module in layers:
-        module.packed_weight = pack_for_onednn(module.weight)
+    """Give every linear layer (and the LM head) the fastest kernel for its shape at each row bucket: measured
+    once per machine and cached (``kernel="auto"``), or forced (where the weight allows it, else F.linear)."""
+    if kernel not in CHOICES:
+        raise ValueError(f"kernel must be one of {CHOICES}, got {kernel!r}")
+    layers = [m for m in model.modules() if hasattr(m, "kernel_choice") and len(kernels_for(m.weight)) > 1]
     if kernel != "auto":
-        choices = {shape_key(m.weight): (kernel == "onednn",) * len(ROW_BUCKETS) for m in layers}
+        choices = {shape_key(m.weight): (kernel if kernel in kernels_for(m.weight) else "torch",) * len(ROW_BUCKETS)
+                   for m in layers}
     else:
-        choices = measured_choices({shape_key(m.weight): m for m in layers})
+        choices = measured_choices({shape_key(m.weight): m.weight for m in layers})
+    widened = [m.weight.numel() for m in layers if "float32" in choices[shape_key(m.weight)]]
+    scratch = torch.empty(max(widened), dtype=torch.float32) if widened else None
     for module in layers:
         used_at = choices[shape_key(module.weight)]
-        module.packed_weight = replace(module.packed_weight, used_at=used_at) if any(used_at) else None
+        packed = pack_for_onednn(module.weight) if "onednn" in used_at else None
+        module.kernel_choice = KernelChoice(used_at, packed, scratch) if set(used_at) != {"torch"} else None
 
 
 def shape_key(weight: torch.Tensor) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
 
 
-def measured_choices(layers: dict[str, nn.Module]) -> dict[str, tuple[bool, ...]]:
-    """Per shape, whether oneDNN is the faster at each row bucket; shapes this machine has not timed yet are
-    timed now (the log says how long it took) and added to the cache file. Delete the file to time again
-    (figures taken while other work loads the machine can pick the wrong kernel)."""
+def measured_choices(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+    """Per shape, the fastest kernel at each row bucket; shapes this machine has not timed yet are timed now
+    (the log says how long it took) and added to the cache file. Delete the file to time again (figures
+    taken while other work loads the machine can pick the wrong kernel)."""
     path = cache_dir() / "linear-kernels.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
     machine = f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
     known = cache.setdefault(machine, {})
     start = time.perf_counter()
-    missing = {key: layer for key, layer in layers.items() if key not in known}
-    known.update({key: onednn_faster_at(layer.weight, layer.packed_weight) for key, layer in missing.items()})
+    # An entry of another shape (an older version's, with other buckets or kernels) is timed again.
+    missing = {key: weight for key, weight in weights.items()
+               if not (isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS)
+                       and set(known[key]) <= set(kernels_for(weight)))}
+    known.update({key: fastest_at(weight) for key, weight in missing.items()})
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_suffix(f".tmp-{os.getpid()}")
         temp.write_text(json.dumps(cache, indent=1))
         temp.replace(path)
-    names = ", ".join(f"{key}: " + "/".join("onednn" if faster else "torch" for faster in known[key])
-                      for key in layers)
+    names = ", ".join(f"{key}: " + "/".join(known[key]) for key in weights)
     how = f"measured in {time.perf_counter() - start:.2f} s" if missing else f"from {path}"
     logger.info("linear kernels at rows %s (%s): %s", "/".join(f"<={r}" for r in ROW_BUCKETS[:-1]) + "/more",
                 how, names)
-    return {key: tuple(known[key]) for key in layers}
+    return {key: tuple(known[key]) for key in weights}
 
 
-def onednn_faster_at(weight: torch.Tensor, packed: PackedWeight) -> list[bool]:
-    inputs = [torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in ROW_BUCKETS]
-    return [best_time(linear, x, weight, packed_weight=packed) < best_time(F.linear, x, weight) for x in inputs]
+def fastest_at(weight: torch.Tensor) -> list[str]:
+    """The fastest kernel for this weight at each bucket's row count."""
+    candidates = {kernel: only_kernel(weight, kernel) for kernel in kernels_for(weight)}
+    fastest = []
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        times = {kernel: best_time(linear, x, weight, choice=choice) for kernel, choice in candidates.items()}
+        fastest.append(min(times, key=times.get))
+    return fastest
+
+
+def only_kernel(weight: torch.Tensor, kernel: str) -> KernelChoice:
+    """``kernel`` for this weight at every row count, with what it needs."""
+    return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
+                        torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None)
 
 
 def best_time(fn, *args, reps: int = 3, **kwargs) -> float:
@@ -138,13 +171,13 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.packed_weight: PackedWeight | None = None  # see choose_linear_kernels
+        self.kernel_choice: KernelChoice | None = None  # see choose_linear_kernels
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.kernel_choice)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -198,4 +231,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(linear(x, self.weight, bias, self.packed_weight))
+        return all_reduce(linear(x, self.weight, bias, self.kernel_choice))
