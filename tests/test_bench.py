@@ -51,11 +51,17 @@ def tiny_qwen3(tmp_path_factory, smollm2_dir) -> str:
     return str(folder)
 
 
-def test_throughput_against_transformers_prints_a_table(tiny_qwen3, capsys):
+def test_throughput_against_transformers_prints_a_table(tiny_qwen3, capsys, monkeypatch):
     workload = Workload(4, (8, 24), (2, 6), 0.0, "float32", 128)
-    report = bench.run_throughput("cpu", workload, tiny_qwen3, peers={"hf"})
+    announced = []
+    monkeypatch.setattr(common.Throughput, "announce", lambda run: announced.append(run) or run)
+    report = bench.run_throughput("cpu", workload, tiny_qwen3, peers={"hf"}, rounds=2)
     names = [run["name"] for run in report["runs"]]
-    assert names[:2] == ["nanoengine", "transformers generate"]
+    assert names[:2] == ["nanoengine", "transformers generate"] and len(set(names)) == len(names)
+    for run in report["runs"]:  # two rounds each, alternated; the faster counts
+        rounds = [r.seconds for r in announced if r.name == run["name"]]
+        assert len(rounds) == 2 and run["seconds"] == min(rounds)
+    assert [r.name for r in announced[:len(names)]] == [r.name for r in announced[len(names):]]
     _, params = common.make_requests(workload)
     assert report["runs"][0]["output_tokens"] == sum(p.max_tokens for p in params)
     assert all(run["output_tokens"] == report["runs"][0]["output_tokens"] for run in report["runs"])
