@@ -71,23 +71,22 @@ def run_throughput(preset: str, workload: Workload, model: str, peers: set[str],
     hw = Hardware.measure(device, dtype)
     prompts, params = make_requests(workload)
     max_tokens = [p.max_tokens for p in params]
-    fastest: dict[str, tuple[Throughput, list]] = {}
+    fastest: dict[str, Throughput] = {}
     for _ in range(rounds):
         with LLM(model, dtype=workload.dtype, max_model_len=workload.max_model_len, **llm_options) as llm:
             ours, steps = run_ours(llm, prompts, params)
-            ours.announce()
             shape = ModelShape.of(llm.config.hf_config)
-        results = [(ours, steps)]
+        if "nanoengine" not in fastest or ours.seconds < fastest["nanoengine"].seconds:
+            ours_steps = steps  # the roofline of our fastest round
+        runs = [ours.announce()]
         if "hf" in peers:
-            results += [(peer, []) for peer in compare_hf(model, dtype, device, prompts, max_tokens,
-                                                          workload.temperature)]
+            runs += compare_hf(model, dtype, device, prompts, max_tokens, workload.temperature)
         if "vllm" in peers:
-            results += [(peer, []) for peer in compare_vllm(model, workload, prompts, max_tokens)]
-        for run, run_steps in results:
-            if run.name not in fastest or run.seconds < fastest[run.name][0].seconds:
-                fastest[run.name] = (run, run_steps)
-    floor = roofline(shape, fastest["nanoengine"][1], dtype.itemsize, hw)
-    return throughput_report(preset, model, device, workload, hw, floor, [run for run, _ in fastest.values()])
+            runs += compare_vllm(model, workload, prompts, max_tokens)
+        for run in runs:
+            fastest[run.name] = min(run, fastest.get(run.name, run), key=lambda r: r.seconds)
+    floor = roofline(shape, ours_steps, dtype.itemsize, hw)
+    return throughput_report(preset, model, device, workload, hw, floor, list(fastest.values()))
 
 
 def throughput_report(preset, model, device, workload, hw, floor: Roofline, results: list[Throughput]) -> dict:

@@ -103,8 +103,9 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
 }
 
 // q, out: [num_tokens, num_heads, head_dim] (q's rows may be strided: a view of the QKV projection);
-// caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_decodes, max_blocks] and seq_lens [num_decodes] int32; rows [num_decodes] int64: the
-// query row of each decoding request. Only those rows of ``out`` are written.
+// caches: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_decodes, max_blocks] and
+// seq_lens [num_decodes] int32; rows [num_decodes] int64: the query row of each decoding request. Only those
+// rows of ``out`` are written.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                       double scale, const at::Tensor& out) {

@@ -134,7 +134,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
               "per token");
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
-                t->scalar_type() == k_cache.scalar_type(), "store_kv: each token's heads contiguous, of the cache's dtype");
+                t->scalar_type() == k_cache.scalar_type(),
+                "store_kv: each token's heads contiguous, of the cache's dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous() &&
               slot_mapping.scalar_type() == at::kLong, "store_kv: contiguous caches, int64 slots");
   const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size(), num_slots = k_cache.size(0) * k_cache.size(1);
