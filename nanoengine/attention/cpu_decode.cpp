@@ -12,21 +12,26 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "../layers/cpu_simd.h"
 
 // The running max's start: below every score, and finite, because -ffast-math (which lets the compiler
 // call a vectorized exp) assumes there are no infinities.
 constexpr float kBelowEveryScore = -3.0e38f;
 
-// The query heads of one KV head (``group`` rows of ``q``, already scaled) over one request's context.
+// The query heads of one KV head (``group`` rows of ``q``) over one request's context, in plain loops.
 // HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop
-// and keeps a head's sum in registers; 0 is the general case. ``work`` holds the scores of one block and,
-// per query head, m, l and the sum.
+// and keeps a head's sum in registers; 0 is the general case. ``work`` holds q scaled, the scores of one
+// block and, per query head, m, l and the sum.
 template <typename T, int HEAD_DIM>
-void attend_group(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_table, int seq_len,
-                  int block_size, int64_t token_stride, int group, int head_dim_, T* out, float* work) {
+void attend_group(const T* q_raw, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                  int seq_len, int block_size, int64_t token_stride, int group, int head_dim_, T* out, float* work) {
   const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_;
-  float *scores = work, *m = scores + block_size, *l = m + group, *acc = l + group;
+  float *q = work, *scores = q + group * head_dim, *m = scores + block_size, *l = m + group, *acc = l + group;
+  for (int e = 0; e < group * head_dim; ++e) q[e] = float(q_raw[e]) * scale;
   std::fill(m, m + group, kBelowEveryScore);
   std::fill(l, l + group, 0.f);
   std::fill(acc, acc + group * head_dim, 0.f);
@@ -74,6 +79,110 @@ void attend_group(const float* q, const T* k_cache, const T* v_cache, const int3
     for (int d = 0; d < head_dim; ++d) out[g * head_dim + d] = T(acc[g * head_dim + d] / l[g]);
 }
 
+#if defined(__AVX512F__)
+// Lane t of the result is the sum of v[t]'s 16 lanes: 16 dot products finished with 45 shuffles and adds
+// where 16 separate horizontal sums would take about 130.
+inline __m512 sum_each(__m512* v) {
+  for (int i = 0; i < 8; ++i)  // in each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // in each 128-bit lane: that lane's sum of v[4i], v[4i+1], v[4i+2], v[4i+3]
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // then the lanes' sums, two 128-bit lanes at a time
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// q . k over HEAD_DIM elements, as 16 float32 partial sums. With AVX-512 BF16, bfloat16 q and k meet in
+// dpbf16: two products per lane, each exact in float32 and added with one rounding, as two FMAs would.
+template <typename T, int HEAD_DIM>
+inline __m512 dot(const T* q, const __m512* q_wide, const T* k) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < HEAD_DIM / 32; ++c) {
+      __m512bh q_pairs, k_pairs;  // loaded straight into registers (a cast from __m512i goes through memory)
+      std::memcpy(&q_pairs, q + 32 * c, 64);
+      std::memcpy(&k_pairs, k + 32 * c, 64);
+      sum = _mm512_dpbf16_ps(sum, q_pairs, k_pairs);
+    }
+    return sum;
+  }
+#endif
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < HEAD_DIM / 16; ++c) sum = _mm512_fmadd_ps(q_wide[c], load16(k + 16 * c), sum);
+  return sum;
+}
+
+// attend_group's contract for head sizes that are a multiple of 32, 16 keys at a time in AVX-512 registers: a
+// query head's 16 dot products are finished by one sum_each and scaled, the softmax runs on their 16 lanes,
+// and the V rows are widened to float32 once (into ``work``) for the whole group. ``work`` then holds, per
+// query head, the running max, the sums of p by lane and the output sum.
+template <typename T, int HEAD_DIM>
+void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                         int seq_len, int block_size, int64_t token_stride, int group, int, T* out, float* work) {
+  constexpr int kVectors = HEAD_DIM / 16;
+  float *values = work, *m = values + 16 * HEAD_DIM, *l = m + group, *acc = l + 16 * group;
+  std::fill(m, m + group, kBelowEveryScore);
+  std::fill(l, l + 16 * group + group * HEAD_DIM, 0.f);
+  const int64_t block_stride = block_size * token_stride;
+  for (int start = 0; start < seq_len; start += 16) {  // a block of 16 holds one run, a larger one several
+    const int b = start / block_size, first = start % block_size, n = std::min(16, seq_len - start);
+    const T* k = k_cache + block_table[b] * block_stride + first * token_stride;
+    const T* v = v_cache + block_table[b] * block_stride + first * token_stride;
+    if (first == 0 && start + block_size < seq_len) {  // the next block lies elsewhere in memory: ask for it now
+      const char* next_k = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * block_stride);
+      const char* next_v = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * block_stride);
+      for (int t = 0; t < block_size; ++t)
+        for (int byte = 0; byte < HEAD_DIM * int(sizeof(T)); byte += 64) {
+          __builtin_prefetch(next_k + t * token_stride * sizeof(T) + byte);
+          __builtin_prefetch(next_v + t * token_stride * sizeof(T) + byte);
+        }
+    }
+    for (int t = 0; t < n; ++t)  // rows past n are never read: they may hold anything, NaN included
+      for (int c = 0; c < kVectors; ++c)
+        _mm512_storeu_ps(values + t * HEAD_DIM + 16 * c, load16(v + t * token_stride + 16 * c));
+    const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    for (int g = 0; g < group; ++g) {
+      const T* q_row = q + g * HEAD_DIM;
+      __m512 q_wide[kVectors], partial[16];
+      for (int c = 0; c < kVectors; ++c) q_wide[c] = load16(q_row + 16 * c);
+      if (n == 16) {  // the common case, unrolled without a test per key
+        for (int t = 0; t < 16; ++t) partial[t] = dot<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride);
+      } else {
+        for (int t = 0; t < 16; ++t)
+          partial[t] = t < n ? dot<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride) : _mm512_setzero_ps();
+      }
+      const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(kBelowEveryScore),
+                                                 _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
+      const float block_max = _mm512_reduce_max_ps(scores);
+      __m512 sum[kVectors], l_g = _mm512_loadu_ps(l + 16 * g);
+      for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_loadu_ps(acc + g * HEAD_DIM + 16 * c);
+      if (block_max > m[g]) {  // a new max: what was summed so far shrinks by exp(old max - new max)
+        const __m512 rescale = exp16(_mm512_set1_ps(m[g] - block_max));  // about 0 on the first keys
+        for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_mul_ps(sum[c], rescale);
+        l_g = _mm512_mul_ps(l_g, rescale);
+        m[g] = block_max;
+      }
+      alignas(64) float p[16];
+      const __m512 p_live = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[g]))));
+      _mm512_store_ps(p, p_live);
+      _mm512_storeu_ps(l + 16 * g, _mm512_add_ps(l_g, p_live));
+      for (int t = 0; t < n; ++t)
+        for (int c = 0; c < kVectors; ++c)
+          sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(values + t * HEAD_DIM + 16 * c), sum[c]);
+      for (int c = 0; c < kVectors; ++c) _mm512_storeu_ps(acc + g * HEAD_DIM + 16 * c, sum[c]);
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    const float total = _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * g));
+    for (int d = 0; d < HEAD_DIM; ++d) out[g * HEAD_DIM + d] = T(acc[g * HEAD_DIM + d] / total);
+  }
+}
+#endif
+
 template <typename T>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
@@ -82,22 +191,27 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t token_stride = int64_t(num_kv_heads) * head_dim, table_stride = block_tables.stride(0);
   const int64_t q_token_stride = q.stride(0);
+#if defined(__AVX512F__)
+  auto attend = head_dim == 64    ? attend_group_avx512<T, 64>
+                : head_dim == 128 ? attend_group_avx512<T, 128>
+                                  : attend_group<T, 0>;
+#else
   auto attend = head_dim == 64 ? attend_group<T, 64> : head_dim == 128 ? attend_group<T, 128> : attend_group<T, 0>;
+#endif
   const T *q_data = q.data_ptr<T>(), *k_data = k_cache.data_ptr<T>(), *v_data = v_cache.data_ptr<T>();
   const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
   T* out_data = out.data_ptr<T>();
   // One task per (request, KV head): two threads stay busy even with a single request.
   at::parallel_for(0, rows.size(0) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_scaled(group * head_dim), work(block_size + group * (2 + head_dim));
+    // The larger of the two kernels' needs (attend_group's, attend_group_avx512's).
+    std::vector<float> work(group * head_dim + std::max(block_size, 16 * head_dim) + group * (18 + head_dim));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t head = kv_head * group * head_dim;  // the group's first element in a row of q and out
-      const T* q_row = q_data + row_of[i] * q_token_stride + head;
-      for (int e = 0; e < group * head_dim; ++e) q_scaled[e] = float(q_row[e]) * scale;
-      attend(q_scaled.data(), k_data + kv_head * head_dim, v_data + kv_head * head_dim, tables + i * table_stride,
-             lens[i], block_size, token_stride, group, head_dim, out_data + row_of[i] * num_heads * head_dim + head,
-             work.data());
+      attend(q_data + row_of[i] * q_token_stride + head, scale, k_data + kv_head * head_dim,
+             v_data + kv_head * head_dim, tables + i * table_stride, lens[i], block_size, token_stride, group,
+             head_dim, out_data + row_of[i] * num_heads * head_dim + head, work.data());
     }
   });
 }

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_simd.h"
+
 namespace {
 
 // x rounded to T and back: a bfloat16 or float16 product or sum in torch is rounded once, here too.
@@ -83,7 +85,15 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
       for (int64_t r = begin; r < end; ++r) {
         const T *gate = in + r * 2 * dim, *up = gate + dim;
         T* o = out_data + r * dim;
-        for (int64_t d = 0; d < dim; ++d) {
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= dim; d += 16) {  // the same roundings, in float32 with a vector exp
+          const __m512 g = load16(gate + d), one = _mm512_set1_ps(1.f);
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          store16(o + d, _mm512_mul_ps(round16<T>(silu), load16(up + d)));
+        }
+#endif
+        for (; d < dim; ++d) {
           // In double: -ffast-math's float exp and division are a few units off, enough to round a bfloat16
           // the other way in 1 of 400 elements. The argument is capped, as -ffast-math assumes no infinities.
           const double g = double(gate[d]);
