@@ -16,6 +16,9 @@ CASES = {
     # Decodes with speculative drafts (2 to 8 query rows, each row a decode of its own), a short prompt chunk,
     # and a drafted decode past the kernel's limit.
     "drafts": [(37, 5), (15, 2), (60, 8), (9, 3), (31, 1), (20, 9)],
+    # Prompts longer than one of prefill_attention's query tiles (at most 192 tokens) and, with their cached
+    # prefix, than one of its key blocks (256): a whole one and a chunk after 280 cached tokens.
+    "long-prompts": [(0, 200), (280, 200), (5, 1)],
 }
 NUM_DRAFTS = {"drafts": [4, 1, 7, 0, 0, 8]}  # per request of the case: how many of its query rows are drafts
 

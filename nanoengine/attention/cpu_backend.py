@@ -7,7 +7,11 @@
   first use (about 30 s, then cached), together with the layers' small ops (``layers/cpu_ops.cpp``);
   without a C++ compiler the decodes take the path below, one SDPA call per request: correct, but several
   times slower (most in bfloat16).
-- Other requests with several query rows (prompts) go to SDPA's flash kernel (causal for a whole prompt).
+- Other requests (prompts and prompt chunks) go to the same extension's ``prefill_attention``
+  (``cpu_prefill.cpp``): flash attention over the paged cache, the query heads of each KV head stacked as the
+  rows of one small GEMM, scores and softmax in float32. In bfloat16 on a CPU with AVX512-BF16 it multiplies in
+  bfloat16 pairs, 4-5x faster than SDPA's flash kernel for a 512-token prompt on a 2-core Zen 5 (SDPA multiplies
+  bfloat16 at a tenth of what a bfloat16 GEMM reaches there). Without the extension, one SDPA call per request.
 - New K and V rows go into the cache through the same extension's ``store_kv`` (one pass, no index_put
   and no padding check in torch ops: about 60 us a layer at a decode step), or torch_backend's without it.
 
@@ -35,7 +39,8 @@ from nanoengine.utils.default_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
-KERNEL_SOURCES = [Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).parents[1] / "layers" / "cpu_ops.cpp"]
+KERNEL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_prefill.cpp")] + [
+    Path(__file__).parents[1] / "layers" / "cpu_ops.cpp"]
 # -march=native: the build is for this CPU only (its folder is named after it). -ffast-math lets the
 # compiler vectorize the dot products and exp (glibc's vector exp needs all of it, finite math included).
 # -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.
@@ -73,10 +78,18 @@ class DecodePlan:
     by_request: list[bool]      # per request: are its rows in the kernel's
 
 
+@dataclass
+class PrefillPlan:  # the other requests, for prefill_attention: int32, one entry per request
+    block_tables: torch.Tensor  # [num_prompts, max_blocks]
+    first_rows: torch.Tensor    # each prompt's first query row
+    query_lens: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 class CpuBackend:
     def __init__(self, kernels: ModuleType | None):
-        self.kernels = kernels  # the C++ extension (decode_attention and the layers' small ops), or None
-        self.planned: tuple[AttentionMetadata | None, DecodePlan | None] = (None, None)
+        self.kernels = kernels  # the C++ extension (decode_attention, prefill_attention, the layers' ops), or None
+        self.planned: tuple[AttentionMetadata | None, DecodePlan | None, PrefillPlan | None] = (None, None, None)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -90,19 +103,31 @@ class CpuBackend:
         if plan is not None:
             self.kernels.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows,
                                                 scale, out)
-        starts = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            query_len = starts[i + 1] - starts[i]
-            if plan is None or not plan.by_request[i]:
+        prompts = self.prefill_plan(meta)
+        if prompts is not None:
+            self.kernels.prefill_attention(q, k_cache, v_cache, prompts.block_tables, prompts.first_rows,
+                                           prompts.query_lens, prompts.seq_lens, scale, out)
+        elif self.kernels is None:
+            starts = meta.query_start_loc_cpu
+            for i, seq_len in enumerate(meta.seq_lens_cpu):
                 rows = slice(starts[i], starts[i + 1])
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
-                out[rows] = flash_attend(q[rows], k, v, seq_len - query_len, scale)
+                out[rows] = flash_attend(q[rows], k, v, seq_len - (starts[i + 1] - starts[i]), scale)
         return out
 
     def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
         """The query rows of requests with few of them, each with its request and the context it sees, for the
         kernel; None where there are none or no kernel."""
+        self.plan(meta)
+        return self.planned[1]
+
+    def prefill_plan(self, meta: AttentionMetadata) -> PrefillPlan | None:
+        """The other requests, for prefill_attention; None where there are none or no kernel."""
+        self.plan(meta)
+        return self.planned[2]
+
+    def plan(self, meta: AttentionMetadata) -> None:
         if self.planned[0] is not meta:
             starts = meta.query_start_loc_cpu
             rows, owners, rows_after = [], [], []  # rows_after: the owner's query rows after this one
@@ -114,14 +139,19 @@ class CpuBackend:
                     rows += range(starts[i], starts[i + 1])
                     owners += [i] * query_len
                     rows_after += range(query_len - 1, -1, -1)
-            plan = None
+            plan = prompts = None
             if rows and self.kernels is not None:
                 # The device lengths, not the host ones: a CUDA-graph-style padded step sets only the former.
                 index = torch.tensor(owners)
                 plan = DecodePlan(torch.tensor(rows), meta.block_tables[index].contiguous(),
                                   meta.seq_lens[index] - torch.tensor(rows_after, dtype=torch.int32), by_request)
-            self.planned = (meta, plan)
-        return self.planned[1]
+            others = [i for i in range(meta.num_seqs) if not by_request[i]]
+            if others and self.kernels is not None:
+                index = torch.tensor(others)
+                prompts = PrefillPlan(meta.block_tables[index].contiguous(), meta.query_start_loc[index],
+                                      meta.query_start_loc[index + 1] - meta.query_start_loc[index],
+                                      meta.seq_lens[index])
+            self.planned = (meta, plan, prompts)
 
 
 def flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:

@@ -258,6 +258,10 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
+// Prompt attention, in nanoengine/attention/cpu_prefill.cpp.
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
+                       const at::Tensor& seq_lens, double scale, const at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
@@ -266,4 +270,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, release);
   m.def("rotary", &rotary, release);
   m.def("store_kv", &store_kv, release);
+  m.def("prefill_attention", &prefill_attention, release);
 }

@@ -1,0 +1,332 @@
+// Prompt (prefill) attention on the CPU: many query rows per request, attended straight from the paged KV cache.
+//
+// The flash-attention scheme, written for the CPU. Work is split into tasks, one per (request, KV head, tile of
+// query tokens); a task stacks the query heads of its KV head's group as rows (row r: token r / group, head
+// r % group), walks the keys its tile can see (the causal mask ends them at the tile's last position) in blocks,
+// and keeps an online softmax per row: scores S = Q K^T in float32, then P = exp(S * scale - max), whose sum l
+// and the output accumulator (+= P V) are rescaled whenever a row's max grows.
+//
+// Both products go through one small GEMM with float32 sums: C[rows, 64 columns] (+)= A[rows, k] B[k, 64]. B
+// (K^T or V) is packed from the paged cache once per (request, KV head, key block), before the tasks run. With
+// AVX512-BF16 a bfloat16 cache multiplies in bfloat16 pairs (each product exact in float32, about twice the
+// float32 rate); P is then rounded to bfloat16, as torch's flash kernel does. Other caches (and CPUs) multiply
+// in float32. Built with cpu_decode.cpp by nanoengine/attention/cpu_backend.py.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+using BFloat16Compute = at::BFloat16;  // what a bfloat16 cache multiplies in
+#else
+using BFloat16Compute = float;
+#endif
+
+namespace {
+
+constexpr int kTileRows = 6;     // rows of C one GEMM call keeps in registers (6 x 4 vectors of 16 floats)
+constexpr int kTileCols = 64;    // its columns: GEMM widths are padded to multiples of this
+constexpr int kKeyBlock = 256;   // keys per step of the online softmax
+constexpr int kQueryRows = 192;  // about this many rows (tokens x group) per task
+constexpr float kBelowEveryScore = -3.0e38f;  // finite: -ffast-math assumes there are no infinities
+
+int round_up(int n, int m) { return (n + m - 1) / m * m; }
+
+// Compute is the type the GEMM multiplies: at::BFloat16 (in pairs) or float. A is row-major; B is packed as
+// [k / kPair][columns][kPair] so that one vector load takes the pairs of 16 columns.
+template <typename Compute>
+constexpr int kPair = sizeof(Compute) == 2 ? 2 : 1;
+
+// C[ROWS, 64] (+)= A[ROWS, k] B[k, 64] for B's first 64 columns (b_stride: B's packed width).
+template <typename Compute, int ROWS>
+void gemm_tile(const Compute* a, int a_stride, const Compute* b, int b_stride, int k, float* c, int c_stride,
+               bool accumulate) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<Compute, at::BFloat16>) {
+    __m512 sum[ROWS][4];
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < 4; ++j)
+        sum[i][j] = accumulate ? _mm512_loadu_ps(c + i * c_stride + 16 * j) : _mm512_setzero_ps();
+    for (int p = 0; p < k / 2; ++p) {
+      __m512bh column[4];
+      for (int j = 0; j < 4; ++j) column[j] = (__m512bh)_mm512_loadu_si512(b + 2 * (p * b_stride + 16 * j));
+      for (int i = 0; i < ROWS; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, a + i * a_stride + 2 * p, sizeof(pair));
+        const __m512bh row = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < 4; ++j) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], row, column[j]);
+      }
+    }
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + i * c_stride + 16 * j, sum[i][j]);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<Compute, float>) {  // plain loops: the compiler vectorizes the columns
+    float sum[ROWS][kTileCols];
+    for (int i = 0; i < ROWS; ++i)
+      for (int n = 0; n < kTileCols; ++n) sum[i][n] = accumulate ? c[i * c_stride + n] : 0.f;
+    for (int p = 0; p < k; ++p)
+      for (int i = 0; i < ROWS; ++i)
+        for (int n = 0; n < kTileCols; ++n) sum[i][n] += a[i * a_stride + p] * b[p * b_stride + n];
+    for (int i = 0; i < ROWS; ++i) std::copy(sum[i], sum[i] + kTileCols, c + i * c_stride);
+  }
+}
+
+// C[rows, columns] (+)= A[rows, k] B[k, columns]; columns a multiple of 64 (at most b_stride, B's packed
+// width), k of kPair.
+template <typename Compute>
+void gemm(const Compute* a, int a_stride, const Compute* b, int b_stride, int columns, int k, float* c,
+          int c_stride, int rows, bool accumulate) {
+  using Tile = void (*)(const Compute*, int, const Compute*, int, int, float*, int, bool);
+  constexpr Tile tiles[] = {gemm_tile<Compute, 1>, gemm_tile<Compute, 2>, gemm_tile<Compute, 3>,
+                            gemm_tile<Compute, 4>, gemm_tile<Compute, 5>, gemm_tile<Compute, 6>};
+  for (int i = 0; i < rows; i += kTileRows)
+    for (int n = 0; n < columns; n += kTileCols)
+      tiles[std::min(kTileRows, rows - i) - 1](a + i * a_stride, a_stride, b + n * kPair<Compute>, b_stride, k,
+                                               c + i * c_stride + n, c_stride, accumulate);
+}
+
+struct Request {
+  const int32_t* block_table;
+  int first_row, query_len, seq_len;  // its query rows in q and out; its context, the query rows' last
+  int first_block;                    // its first key block in the packed K and V
+};
+
+struct Task {
+  int request, kv_head, first_token, num_tokens;
+  int64_t cost;  // query rows x keys seen
+};
+
+// One thread's buffers for a task: its queries, one key block's scores and probabilities, and per row the
+// running max, sum and output accumulator.
+template <typename Compute>
+struct Workspace {
+  Workspace(int rows, int head_dim, int out_cols)
+      : queries(rows * head_dim), scores(rows * kKeyBlock), probs(rows * kKeyBlock), acc(rows * out_cols),
+        max(rows), sum(rows) {}
+  std::vector<Compute> queries;
+  std::vector<float> scores;
+  std::vector<Compute> probs;
+  std::vector<float> acc, max, sum;
+};
+
+template <typename T, typename Compute>
+class PrefillAttention {
+ public:
+  PrefillAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, float scale,
+                   const at::Tensor& out, const std::vector<Request>& requests, int num_blocks)
+      : q_(q.data_ptr<T>()), k_cache_(k_cache.data_ptr<T>()), v_cache_(v_cache.data_ptr<T>()),
+        out_(out.data_ptr<T>()), requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)),
+        head_dim_(q.size(2)), block_size_(k_cache.size(1)), num_kv_heads_(k_cache.size(2)),
+        group_(num_heads_ / num_kv_heads_), scale_(scale), out_cols_(round_up(head_dim_, kTileCols)),
+        keys_(at::empty({int64_t(num_blocks) * num_kv_heads_ * head_dim_ * kKeyBlock}, dtype())),
+        values_(at::empty({int64_t(num_blocks) * num_kv_heads_ * kKeyBlock * out_cols_}, dtype())) {}
+
+  static int tokens_per_task(int group) { return std::max(1, kQueryRows / group); }
+  Workspace<Compute> workspace() const {
+    return Workspace<Compute>(tokens_per_task(group_) * group_, head_dim_, out_cols_);
+  }
+
+  // K^T and V of one block of a request's keys, as gemm reads them (zero past the context).
+  void pack_block(int request, int kv_head, int block) {
+    constexpr int pair = kPair<Compute>;
+    const Request& r = requests_[request];
+    Compute *keys = packed_keys(r, kv_head, block), *values = packed_values(r, kv_head, block);
+    const int first_key = block * kKeyBlock, n = std::min(kKeyBlock, r.seq_len - first_key);
+    if (n < kKeyBlock || head_dim_ < out_cols_) {
+      std::fill(keys, keys + head_dim_ * kKeyBlock, Compute(0));
+      std::fill(values, values + kKeyBlock * out_cols_, Compute(0));
+    }
+    for (int t = 0; t < n; ++t) {
+      const T *k = cache_row(r, k_cache_, kv_head, first_key + t), *v = cache_row(r, v_cache_, kv_head, first_key + t);
+      for (int d = 0; d < head_dim_; ++d) {
+        keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]));
+        values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]));
+      }
+    }
+  }
+
+  void attend(const Task& task, Workspace<Compute>& w) {
+    const Request& r = requests_[task.request];
+    const int rows = task.num_tokens * group_;
+    const int first_pos = r.seq_len - r.query_len + task.first_token;  // the tile's first query position
+    load_queries(r, task, rows, w);
+    std::fill(w.max.begin(), w.max.begin() + rows, kBelowEveryScore);
+    std::fill(w.sum.begin(), w.sum.begin() + rows, 0.f);
+    std::fill(w.acc.begin(), w.acc.begin() + rows * out_cols_, 0.f);
+    const int num_keys = first_pos + task.num_tokens;  // the tile's last row sees these
+    for (int block = 0; block * kKeyBlock < num_keys; ++block) {
+      const int block_keys = std::min(kKeyBlock, num_keys - block * kKeyBlock);
+      const int value_k = round_up(block_keys, kPair<Compute>);
+      gemm(w.queries.data(), head_dim_, packed_keys(r, task.kv_head, block), kKeyBlock,
+           round_up(block_keys, kTileCols), head_dim_, w.scores.data(), kKeyBlock, rows, false);
+      for (int row = 0; row < rows; ++row)
+        softmax_step(row, std::min(block_keys, first_pos + row / group_ + 1 - block * kKeyBlock), value_k, w);
+      gemm(w.probs.data(), kKeyBlock, packed_values(r, task.kv_head, block), out_cols_, out_cols_, value_k,
+           w.acc.data(), out_cols_, rows, true);
+    }
+    store_outputs(r, task, rows, w);
+  }
+
+ private:
+  static at::ScalarType dtype() { return std::is_same_v<Compute, float> ? at::kFloat : at::kBFloat16; }
+
+  const T* cache_row(const Request& r, const T* cache, int kv_head, int pos) const {
+    const int64_t slot = int64_t(r.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+    return cache + (slot * num_kv_heads_ + kv_head) * head_dim_;
+  }
+  Compute* packed_keys(const Request& r, int kv_head, int block) {
+    return keys_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
+                                           head_dim_ * kKeyBlock;
+  }
+  Compute* packed_values(const Request& r, int kv_head, int block) {
+    return values_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
+                                             kKeyBlock * out_cols_;
+  }
+
+  void load_queries(const Request& r, const Task& task, int rows, Workspace<Compute>& w) const {
+    for (int row = 0; row < rows; ++row) {
+      const int token = r.first_row + task.first_token + row / group_, head = task.kv_head * group_ + row % group_;
+      const T* src = q_ + token * q_stride_ + head * head_dim_;
+      std::transform(src, src + head_dim_, w.queries.data() + row * head_dim_,
+                     [](T x) { return Compute(float(x)); });
+    }
+  }
+
+  // One row's scores over the block's first ``visible`` keys (the rest are after its position) into P and
+  // its running max, sum and accumulator.
+  void softmax_step(int row, int visible, int value_k, Workspace<Compute>& w) const {
+    Compute* p = w.probs.data() + row * kKeyBlock;
+    if (visible <= 0) {
+      std::fill(p, p + value_k, Compute(0));
+      return;
+    }
+    const float* s = w.scores.data() + row * kKeyBlock;
+    float block_max = w.max[row];
+    for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale_);
+    float block_sum = 0.f;
+    for (int t = 0; t < visible; ++t) {
+      const float e = std::exp(s[t] * scale_ - block_max);
+      block_sum += e;
+      p[t] = Compute(e);
+    }
+    std::fill(p + visible, p + value_k, Compute(0));
+    const float rescale = std::exp(w.max[row] - block_max);  // 0 on the first block
+    w.max[row] = block_max;
+    w.sum[row] = w.sum[row] * rescale + block_sum;
+    float* acc = w.acc.data() + row * out_cols_;
+    for (int d = 0; d < out_cols_; ++d) acc[d] *= rescale;
+  }
+
+  void store_outputs(const Request& r, const Task& task, int rows, const Workspace<Compute>& w) const {
+    for (int row = 0; row < rows; ++row) {
+      const int token = r.first_row + task.first_token + row / group_, head = task.kv_head * group_ + row % group_;
+      T* dst = out_ + (int64_t(token) * num_heads_ + head) * head_dim_;
+      const float* acc = w.acc.data() + row * out_cols_;
+      const float inverse = 1.f / w.sum[row];
+      for (int d = 0; d < head_dim_; ++d) dst[d] = T(acc[d] * inverse);
+    }
+  }
+
+  static int blocks(const Request& r) { return (r.seq_len + kKeyBlock - 1) / kKeyBlock; }
+
+  const T *q_, *k_cache_, *v_cache_;
+  T* out_;
+  const std::vector<Request>& requests_;
+  const int64_t q_stride_;
+  const int num_heads_, head_dim_, block_size_, num_kv_heads_, group_;
+  const float scale_;
+  const int out_cols_;  // P V's columns: head_dim padded for gemm
+  at::Tensor keys_, values_;  // per (request, KV head, key block), packed
+};
+
+// Calls a worker on every index below n: each thread makes its own (make_worker()) and takes the next index
+// whenever it is done with one.
+template <typename MakeWorker>
+void share(size_t n, MakeWorker make_worker) {
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    auto work = make_worker();
+    for (size_t i = next++; i < n; i = next++) work(i);
+  });
+}
+
+template <typename T, typename Compute>
+void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             std::vector<Request>& requests, float scale, const at::Tensor& out) {
+  const int num_kv_heads = k_cache.size(2), tokens_per_task = PrefillAttention<T, Compute>::tokens_per_task(
+                                                                  q.size(1) / num_kv_heads);
+  std::vector<std::array<int, 3>> blocks;  // (request, KV head, key block) to pack
+  std::vector<Task> tasks;
+  int num_blocks = 0;
+  for (int i = 0; i < int(requests.size()); ++i) {
+    Request& r = requests[i];
+    r.first_block = num_blocks;
+    num_blocks += (r.seq_len + kKeyBlock - 1) / kKeyBlock;
+    for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+      for (int block = 0; block * kKeyBlock < r.seq_len; ++block) blocks.push_back({i, kv_head, block});
+    for (int first = 0; first < r.query_len; first += tokens_per_task) {
+      const int n = std::min(tokens_per_task, r.query_len - first);
+      const int64_t keys = r.seq_len - r.query_len + first + n;
+      for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) tasks.push_back({i, kv_head, first, n, n * keys});
+    }
+  }
+  // The longest tasks first: the threads finish together.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  PrefillAttention<T, Compute> attention(q, k_cache, v_cache, scale, out, requests, num_blocks);
+  share(blocks.size(), [&] {
+    return [&](size_t i) { attention.pack_block(blocks[i][0], blocks[i][1], blocks[i][2]); };
+  });
+  share(tasks.size(), [&] {
+    return [&, w = attention.workspace()](size_t i) mutable { attention.attend(tasks[i], w); };
+  });
+}
+
+}  // namespace
+
+// q, out: [num_tokens, num_heads, head_dim] (q's rows may be strided: a view of the QKV projection); caches:
+// [num_blocks, block_size, num_kv_heads, head_dim]; per prompt request: block_tables [num_requests, max_blocks],
+// first_rows (its first query row in q and out), query_lens and seq_lens, all int32. A request's query rows are
+// the last query_len positions of its context; only they are written in ``out``.
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
+                       const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
+  for (const at::Tensor* t : {&k_cache, &v_cache, &block_tables, &first_rows, &query_lens, &seq_lens, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "prefill_attention takes contiguous CPU tensors");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "prefill_attention: each row of q (a token's heads) contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 && q.size(2) % 2 == 0,
+              "prefill_attention: q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, "
+              "head_dim], head_dim even");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == q.scalar_type(), "prefill_attention: q, out and the caches share one dtype");
+  const int num_requests = block_tables.size(0);
+  for (const at::Tensor* t : {&block_tables, &first_rows, &query_lens, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->size(0) == num_requests,
+                "prefill_attention: int32 block tables, first rows and lengths, one per request");
+  std::vector<Request> requests;
+  for (int i = 0; i < num_requests; ++i) {
+    const Request r{block_tables.data_ptr<int32_t>() + i * block_tables.size(1), first_rows.data_ptr<int32_t>()[i],
+                    query_lens.data_ptr<int32_t>()[i], seq_lens.data_ptr<int32_t>()[i], 0};
+    TORCH_CHECK(r.query_len >= 0 && r.query_len <= r.seq_len && r.first_row >= 0 &&
+                r.first_row + r.query_len <= q.size(0), "prefill_attention: a request's rows or lengths do not fit");
+    requests.push_back(r);
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat: return prefill_attention_typed<float, float>(q, k_cache, v_cache, requests, float(scale), out);
+    case at::kBFloat16:
+      return prefill_attention_typed<at::BFloat16, BFloat16Compute>(q, k_cache, v_cache, requests, float(scale), out);
+    case at::kHalf: return prefill_attention_typed<at::Half, float>(q, k_cache, v_cache, requests, float(scale), out);
+    default: TORCH_CHECK(false, "prefill_attention: float32, bfloat16 or float16 only, not ", q.scalar_type());
+  }
+}
