@@ -23,8 +23,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "../layers/cpu_simd.h"
+
 #ifdef __AVX512BF16__
-#include <immintrin.h>
 using BFloat16Compute = at::BFloat16;  // what a bfloat16 cache multiplies in
 #else
 using BFloat16Compute = float;
@@ -45,40 +46,50 @@ int round_up(int n, int m) { return (n + m - 1) / m * m; }
 template <typename Compute>
 constexpr int kPair = sizeof(Compute) == 2 ? 2 : 1;
 
-// C[ROWS, 64] (+)= A[ROWS, k] B[k, 64] for B's first 64 columns (b_stride: B's packed width).
+// C[ROWS, 64] (+)= A[ROWS, k] B[k, 64] for B's first 64 columns (b_stride: B's packed width): with AVX-512,
+// C in registers and one row of A broadcast against four vectors of B (in pairs for bfloat16: dpbf16).
 template <typename Compute, int ROWS>
 void gemm_tile(const Compute* a, int a_stride, const Compute* b, int b_stride, int k, float* c, int c_stride,
                bool accumulate) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<Compute, at::BFloat16>) {
-    __m512 sum[ROWS][4];
-    for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < 4; ++j)
-        sum[i][j] = accumulate ? _mm512_loadu_ps(c + i * c_stride + 16 * j) : _mm512_setzero_ps();
-    for (int p = 0; p < k / 2; ++p) {
-      __m512bh column[4];
-      for (int j = 0; j < 4; ++j) column[j] = (__m512bh)_mm512_loadu_si512(b + 2 * (p * b_stride + 16 * j));
+#if defined(__AVX512F__)
+  __m512 sum[ROWS][4];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j)
+      sum[i][j] = accumulate ? _mm512_loadu_ps(c + i * c_stride + 16 * j) : _mm512_setzero_ps();
+  for (int p = 0; p < k / kPair<Compute>; ++p) {
+    const Compute* b_row = b + kPair<Compute> * p * b_stride;
+    if constexpr (std::is_same_v<Compute, float>) {
+      __m512 column[4];
+      for (int j = 0; j < 4; ++j) column[j] = _mm512_loadu_ps(b_row + 16 * j);
+      for (int i = 0; i < ROWS; ++i) {
+        const __m512 row = _mm512_set1_ps(a[i * a_stride + p]);
+        for (int j = 0; j < 4; ++j) sum[i][j] = _mm512_fmadd_ps(row, column[j], sum[i][j]);
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      __m512bh column[4], row;  // loaded straight into registers (a cast from __m512i goes through memory)
+      for (int j = 0; j < 4; ++j) std::memcpy(&column[j], b_row + 32 * j, 64);
       for (int i = 0; i < ROWS; ++i) {
         int32_t pair;
         std::memcpy(&pair, a + i * a_stride + 2 * p, sizeof(pair));
-        const __m512bh row = (__m512bh)_mm512_set1_epi32(pair);
+        const __m512i pairs = _mm512_set1_epi32(pair);
+        std::memcpy(&row, &pairs, 64);
         for (int j = 0; j < 4; ++j) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], row, column[j]);
       }
-    }
-    for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + i * c_stride + 16 * j, sum[i][j]);
-    return;
-  }
 #endif
-  if constexpr (std::is_same_v<Compute, float>) {  // plain loops: the compiler vectorizes the columns
-    float sum[ROWS][kTileCols];
-    for (int i = 0; i < ROWS; ++i)
-      for (int n = 0; n < kTileCols; ++n) sum[i][n] = accumulate ? c[i * c_stride + n] : 0.f;
-    for (int p = 0; p < k; ++p)
-      for (int i = 0; i < ROWS; ++i)
-        for (int n = 0; n < kTileCols; ++n) sum[i][n] += a[i * a_stride + p] * b[p * b_stride + n];
-    for (int i = 0; i < ROWS; ++i) std::copy(sum[i], sum[i] + kTileCols, c + i * c_stride);
+    }
   }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + i * c_stride + 16 * j, sum[i][j]);
+#else
+  float sum[ROWS][kTileCols];  // Compute is float here: plain loops, the compiler vectorizes the columns
+  for (int i = 0; i < ROWS; ++i)
+    for (int n = 0; n < kTileCols; ++n) sum[i][n] = accumulate ? c[i * c_stride + n] : 0.f;
+  for (int p = 0; p < k; ++p)
+    for (int i = 0; i < ROWS; ++i)
+      for (int n = 0; n < kTileCols; ++n) sum[i][n] += a[i * a_stride + p] * b[p * b_stride + n];
+  for (int i = 0; i < ROWS; ++i) std::copy(sum[i], sum[i] + kTileCols, c + i * c_stride);
+#endif
 }
 
 // C[rows, columns] (+)= A[rows, k] B[k, columns]; columns a multiple of 64 (at most b_stride, B's packed
@@ -211,6 +222,24 @@ class PrefillAttention {
       return;
     }
     const float* s = w.scores.data() + row * kKeyBlock;
+#if defined(__AVX512F__)
+    const int chunks = (visible + 15) / 16;  // 16 keys at a time; lanes past ``visible`` count for nothing
+    const auto live = [&](int c) { return __mmask16(16 * c + 16 <= visible ? 0xFFFF : (1u << visible % 16) - 1); };
+    const __m512 scale = _mm512_set1_ps(scale_);
+    __m512 most = _mm512_set1_ps(w.max[row]);
+    for (int c = 0; c < chunks; ++c)
+      most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale));
+    const float block_max = _mm512_reduce_max_ps(most);
+    __m512 sums = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; ++c) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale, _mm512_set1_ps(block_max))));
+      sums = _mm512_add_ps(sums, e);
+      store16(p + 16 * c, e);
+    }
+    const float block_sum = _mm512_reduce_add_ps(sums);
+    std::fill(p + std::min(16 * chunks, value_k), p + value_k, Compute(0));
+#else
     float block_max = w.max[row];
     for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale_);
     float block_sum = 0.f;
@@ -220,6 +249,7 @@ class PrefillAttention {
       p[t] = Compute(e);
     }
     std::fill(p + visible, p + value_k, Compute(0));
+#endif
     const float rescale = std::exp(w.max[row] - block_max);  // 0 on the first block
     w.max[row] = block_max;
     w.sum[row] = w.sum[row] * rescale + block_sum;
