@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.common import device_name, model_for, on_gpu, percentile
 from benchmarks.serve import running_server, stream_one
 
-TENANTS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 4, 256, 16, 8
-BLOCKS_PER_CORE = 40  # 16 blocks per system prompt: two tenants' and a few running requests' own blocks
+TENANTS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 8, 256, 16, 8
+BLOCKS_PER_CORE = 80  # 16 blocks per system prompt: five tenants' prompts, or four and the running requests' own
 DEFAULT_RATE, DEFAULT_NUM_REQUESTS = 1.5, 40  # without --request-rate and --num-prompts
 RUNS = (("DP=1 (2 threads)", 1, "prefix"), ("DP=2 prefix-aware", 2, "prefix"),
         ("DP=2 least-loaded", 2, "least-loaded"), ("DP=2 round-robin", 2, "round-robin"))
