@@ -21,15 +21,15 @@ class Step(NamedTuple):
     meta: AttentionMetadata
 
 
-def make_step(requests, group, head_dim, dtype, device, seed) -> Step:
-    """A random step for requests given as (cached_len, query_len).
+def make_step(requests, group, head_dim, dtype, device, seed, block_size=BLOCK_SIZE) -> Step:
+    """A random step for requests given as (cached_len, query_len), in a cache of ``block_size``-token blocks.
 
     Physical blocks are handed out in shuffled order, with spare blocks, so block tables are
     non-contiguous and the caches hold blocks nobody owns.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [cached + query for cached, query in requests]
-    blocks_per_seq = [math.ceil(seq_len / BLOCK_SIZE) for seq_len in seq_lens]
+    blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
     block_tables = torch.full((len(requests), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
@@ -43,10 +43,10 @@ def make_step(requests, group, head_dim, dtype, device, seed) -> Step:
     slots = []
     for i, (cached, query) in enumerate(requests):
         for pos in range(cached, cached + query):
-            slots.append(int(block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
 
     num_tokens, num_heads = query_start_loc[-1], NUM_KV_HEADS * group
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    cache_shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     to = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
     # q and the new k, v are slices of one fused projection, as in the model.
     qkv = to(torch.randn(num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen))

@@ -25,10 +25,11 @@ NUM_DRAFTS = {"drafts": [4, 1, 7, 0, 0, 8]}  # per request of the case: how many
 
 def poison_unowned_slots(step) -> None:
     """NaN in every cache slot outside the requests' contexts: a backend that reads one fails."""
+    block_size = step.k_cache.shape[1]
     owned = torch.zeros(step.k_cache.shape[:2], dtype=torch.bool).flatten()
     for i, seq_len in enumerate(step.meta.seq_lens_cpu):
         for pos in range(seq_len):
-            owned[int(step.meta.block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE] = True
+            owned[int(step.meta.block_tables[i, pos // block_size]) * block_size + pos % block_size] = True
     for cache in (step.k_cache, step.v_cache):
         cache.flatten(0, 1)[~owned] = float("nan")
 
@@ -55,8 +56,15 @@ def test_without_a_compiler_decodes_take_sdpa_and_match_the_oracle(case, dtype):
     check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel=None, num_drafts=NUM_DRAFTS.get(case))
 
 
-def check_against_oracle(requests, group, head_dim, dtype, decode_kernel, num_drafts=None):
-    step = make_step(requests, group, head_dim, dtype, "cpu", seed=group + head_dim)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 24, 32])  # the kernels' runs of 16 keys must stop at each block's end
+@pytest.mark.parametrize("case", ["many-decodes", "long-prompts"])
+def test_other_block_sizes_match_the_oracle(case, block_size, dtype, decode_kernel):
+    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel, block_size=block_size)
+
+
+def check_against_oracle(requests, group, head_dim, dtype, decode_kernel, num_drafts=None, block_size=BLOCK_SIZE):
+    step = make_step(requests, group, head_dim, dtype, "cpu", seed=group + head_dim, block_size=block_size)
     step.meta.num_drafts = num_drafts
     poison_unowned_slots(step)
     scale = 64 ** -0.5

@@ -4,19 +4,18 @@
   V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. So do decodes with
   speculative drafts (up to 8 query rows): each row is a decode of its own, over the context up to its
   position, computed as the decode without drafts would compute it. It is compiled for this machine on
-  first use (about 30 s, then cached), together with the layers' small ops (``layers/cpu_ops.cpp``);
-  without a C++ compiler the decodes take the path below, one SDPA call per request: correct, but several
-  times slower (most in bfloat16).
+  first use (about 30 s, then cached), together with the layers' small ops (``layers/cpu_ops.cpp``).
 - Other requests (prompts and prompt chunks) go to the same extension's ``prefill_attention``
   (``cpu_prefill.cpp``): flash attention over the paged cache, the query heads of each KV head stacked as the
   rows of one small GEMM, scores and softmax in float32. In bfloat16 on a CPU with AVX512-BF16 it multiplies in
-  bfloat16 pairs, 4-5x faster than SDPA's flash kernel for a 512-token prompt on a 2-core Zen 5 (SDPA multiplies
-  bfloat16 at a tenth of what a bfloat16 GEMM reaches there). Without the extension, one SDPA call per request.
+  bfloat16 pairs, about 5x faster than SDPA's flash kernel for a 512-token prompt on a 2-core Zen 5 (SDPA
+  multiplies bfloat16 at a tenth of what a bfloat16 GEMM reaches there).
+- Without a C++ compiler every request takes one SDPA call: correct, but several times slower.
 - New K and V rows go into the cache through the same extension's ``store_kv`` (one pass, no index_put
   and no padding check in torch ops: about 60 us a layer at a decode step), or torch_backend's without it.
 
-Each ``CpuBackend`` plans the decode batch once per step (every layer gets the same metadata object), so
-two engines in one process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
+Each ``CpuBackend`` plans a step's decode rows and prompts once (every layer gets the same metadata object),
+so two engines in one process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
 """
 
 import hashlib
@@ -49,7 +48,8 @@ KERNEL_MAX_QUERY_ROWS = 8  # a decode with up to this many rows (itself and its 
 
 
 def load_cpu_kernels() -> ModuleType | None:
-    """The decode kernel and the layers' small ops built for this machine, or None (logged) where they cannot be."""
+    """The attention kernels and the layers' small ops built for this machine, or None (logged) where they cannot
+    be."""
     from torch.utils.cpp_extension import load
 
     # The sources' paths are in the key: ninja rebuilds whenever they change, so two checkouts sharing one
@@ -66,7 +66,7 @@ def load_cpu_kernels() -> ModuleType | None:
         return load("nanoengine_cpu_kernels", [str(s) for s in KERNEL_SOURCES], extra_cflags=KERNEL_FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(build))
     except (OSError, RuntimeError, ImportError) as error:
-        logger.warning("the CPU kernels could not be built (%s); decodes take the slower SDPA path", error)
+        logger.warning("the CPU kernels could not be built (%s); attention takes the slower SDPA path", error)
         return None
 
 
@@ -99,21 +99,21 @@ class CpuBackend:
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of every query row ([num_tokens, num_heads, head_dim]) over its own context."""
         out = torch.empty(q.shape, dtype=q.dtype)
-        plan = self.decode_plan(meta)
-        if plan is not None:
-            self.kernels.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows,
-                                                scale, out)
-        prompts = self.prefill_plan(meta)
-        if prompts is not None:
-            self.kernels.prefill_attention(q, k_cache, v_cache, prompts.block_tables, prompts.first_rows,
-                                           prompts.query_lens, prompts.seq_lens, scale, out)
-        elif self.kernels is None:
+        if self.kernels is None:
             starts = meta.query_start_loc_cpu
             for i, seq_len in enumerate(meta.seq_lens_cpu):
                 rows = slice(starts[i], starts[i + 1])
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
                 out[rows] = flash_attend(q[rows], k, v, seq_len - (starts[i + 1] - starts[i]), scale)
+            return out
+        decodes, prompts = self.decode_plan(meta), self.prefill_plan(meta)
+        if decodes is not None:
+            self.kernels.decode_attention(q, k_cache, v_cache, decodes.block_tables, decodes.seq_lens, decodes.rows,
+                                          scale, out)
+        if prompts is not None:
+            self.kernels.prefill_attention(q, k_cache, v_cache, prompts.block_tables, prompts.first_rows,
+                                           prompts.query_lens, prompts.seq_lens, scale, out)
         return out
 
     def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:

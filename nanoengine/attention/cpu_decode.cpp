@@ -12,15 +12,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "../layers/cpu_simd.h"
-
-// The running max's start: below every score, and finite, because -ffast-math (which lets the compiler
-// call a vectorized exp) assumes there are no infinities.
-constexpr float kBelowEveryScore = -3.0e38f;
 
 // The query heads of one KV head (``group`` rows of ``q``) over one request's context, in plain loops.
 // HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop
@@ -40,15 +35,9 @@ void attend_group(const T* q_raw, float scale, const T* k_cache, const T* v_cach
   for (int b = 0; b < num_blocks; ++b) {
     const T* k = k_cache + block_table[b] * block_stride;
     const T* v = v_cache + block_table[b] * block_stride;
-    if (b + 1 < num_blocks) {  // the next block lies elsewhere in memory: ask for its rows now
-      const char* next_k = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * block_stride);
-      const char* next_v = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * block_stride);
-      for (int t = 0; t < block_size; ++t)
-        for (int byte = 0; byte < head_dim * int(sizeof(T)); byte += 64) {
-          __builtin_prefetch(next_k + t * token_stride * sizeof(T) + byte);
-          __builtin_prefetch(next_v + t * token_stride * sizeof(T) + byte);
-        }
-    }
+    if (b + 1 < num_blocks)
+      prefetch_block(k_cache + block_table[b + 1] * block_stride, v_cache + block_table[b + 1] * block_stride,
+                     block_size, token_stride, head_dim * int(sizeof(T)));
     const int n = std::min(block_size, seq_len - b * block_size);
     for (int g = 0; g < group; ++g) {
       const float* q_row = q + g * head_dim;
@@ -95,23 +84,18 @@ inline __m512 sum_each(__m512* v) {
                        _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// q . k over HEAD_DIM elements, as 16 float32 partial sums. With AVX-512 BF16, bfloat16 q and k meet in
-// dpbf16: two products per lane, each exact in float32 and added with one rounding, as two FMAs would.
+// q . k over HEAD_DIM elements, as 16 float32 partial sums, from q widened to float32 (``q_wide``) or, with
+// AVX-512 BF16, from bfloat16 q and k in dpbf16: each product exact in float32 and added with its own rounding,
+// as an FMA would (denormals flushed).
 template <typename T, int HEAD_DIM>
-inline __m512 dot(const T* q, const __m512* q_wide, const T* k) {
+inline __m512 dot16(const T* q, const __m512* q_wide, const T* k) {
+  __m512 sum = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < HEAD_DIM / 32; ++c) {
-      __m512bh q_pairs, k_pairs;  // loaded straight into registers (a cast from __m512i goes through memory)
-      std::memcpy(&q_pairs, q + 32 * c, 64);
-      std::memcpy(&k_pairs, k + 32 * c, 64);
-      sum = _mm512_dpbf16_ps(sum, q_pairs, k_pairs);
-    }
+    for (int c = 0; c < HEAD_DIM / 32; ++c) sum = _mm512_dpbf16_ps(sum, load_pairs(q + 32 * c), load_pairs(k + 32 * c));
     return sum;
   }
 #endif
-  __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < HEAD_DIM / 16; ++c) sum = _mm512_fmadd_ps(q_wide[c], load16(k + 16 * c), sum);
   return sum;
 }
@@ -128,19 +112,14 @@ void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_c
   std::fill(m, m + group, kBelowEveryScore);
   std::fill(l, l + 16 * group + group * HEAD_DIM, 0.f);
   const int64_t block_stride = block_size * token_stride;
-  for (int start = 0; start < seq_len; start += 16) {  // a block of 16 holds one run, a larger one several
-    const int b = start / block_size, first = start % block_size, n = std::min(16, seq_len - start);
+  for (int start = 0, n = 0; start < seq_len; start += n) {  // runs of up to 16 keys, none across two blocks
+    const int b = start / block_size, first = start % block_size;
+    n = std::min({16, seq_len - start, block_size - first});
     const T* k = k_cache + block_table[b] * block_stride + first * token_stride;
     const T* v = v_cache + block_table[b] * block_stride + first * token_stride;
-    if (first == 0 && start + block_size < seq_len) {  // the next block lies elsewhere in memory: ask for it now
-      const char* next_k = reinterpret_cast<const char*>(k_cache + block_table[b + 1] * block_stride);
-      const char* next_v = reinterpret_cast<const char*>(v_cache + block_table[b + 1] * block_stride);
-      for (int t = 0; t < block_size; ++t)
-        for (int byte = 0; byte < HEAD_DIM * int(sizeof(T)); byte += 64) {
-          __builtin_prefetch(next_k + t * token_stride * sizeof(T) + byte);
-          __builtin_prefetch(next_v + t * token_stride * sizeof(T) + byte);
-        }
-    }
+    if (first == 0 && start + block_size < seq_len)
+      prefetch_block(k_cache + block_table[b + 1] * block_stride, v_cache + block_table[b + 1] * block_stride,
+                     block_size, token_stride, HEAD_DIM * int(sizeof(T)));
     for (int t = 0; t < n; ++t)  // rows past n are never read: they may hold anything, NaN included
       for (int c = 0; c < kVectors; ++c)
         _mm512_storeu_ps(values + t * HEAD_DIM + 16 * c, load16(v + t * token_stride + 16 * c));
@@ -150,10 +129,10 @@ void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_c
       __m512 q_wide[kVectors], partial[16];
       for (int c = 0; c < kVectors; ++c) q_wide[c] = load16(q_row + 16 * c);
       if (n == 16) {  // the common case, unrolled without a test per key
-        for (int t = 0; t < 16; ++t) partial[t] = dot<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride);
+        for (int t = 0; t < 16; ++t) partial[t] = dot16<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride);
       } else {
         for (int t = 0; t < 16; ++t)
-          partial[t] = t < n ? dot<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride) : _mm512_setzero_ps();
+          partial[t] = t < n ? dot16<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride) : _mm512_setzero_ps();
       }
       const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(kBelowEveryScore),
                                                  _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
@@ -204,8 +183,9 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   T* out_data = out.data_ptr<T>();
   // One task per (request, KV head): two threads stay busy even with a single request.
   at::parallel_for(0, rows.size(0) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // The larger of the two kernels' needs (attend_group's, attend_group_avx512's).
-    std::vector<float> work(group * head_dim + std::max(block_size, 16 * head_dim) + group * (18 + head_dim));
+    const int plain_need = group * head_dim + block_size + group * (2 + head_dim);  // attend_group's
+    const int avx512_need = 16 * head_dim + group * (17 + head_dim);                 // attend_group_avx512's
+    std::vector<float> work(std::max(plain_need, avx512_need));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t head = kv_head * group * head_dim;  // the group's first element in a row of q and out
@@ -238,8 +218,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(block_tables.size(0) == rows.size(0) && seq_lens.size(0) == rows.size(0),
               "decode_attention: one block table, length and row per decoding request");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  TORCH_CHECK(std::all_of(lens, lens + seq_lens.numel(), [](int32_t n) { return n >= 1; }),
-              "decode_attention: a context is empty");
+  const int64_t table_tokens = block_tables.size(1) * k_cache.size(1);
+  TORCH_CHECK(std::all_of(lens, lens + seq_lens.numel(), [&](int32_t n) { return n >= 1 && n <= table_tokens; }),
+              "decode_attention: a context is empty or longer than its block table");
   const auto run = [&](auto element) {
     using T = decltype(element);
     decode_attention_typed<T>(q, k_cache, v_cache, block_tables, seq_lens, rows, float(scale), out);

@@ -37,7 +37,6 @@ constexpr int kTileRows = 6;     // rows of C one GEMM call keeps in registers (
 constexpr int kTileCols = 64;    // its columns: GEMM widths are padded to multiples of this
 constexpr int kKeyBlock = 256;   // keys per step of the online softmax
 constexpr int kQueryRows = 192;  // about this many rows (tokens x group) per task
-constexpr float kBelowEveryScore = -3.0e38f;  // finite: -ffast-math assumes there are no infinities
 
 int round_up(int n, int m) { return (n + m - 1) / m * m; }
 
@@ -67,13 +66,13 @@ void gemm_tile(const Compute* a, int a_stride, const Compute* b, int b_stride, i
       }
     } else {
 #if defined(__AVX512BF16__)
-      __m512bh column[4], row;  // loaded straight into registers (a cast from __m512i goes through memory)
-      for (int j = 0; j < 4; ++j) std::memcpy(&column[j], b_row + 32 * j, 64);
+      __m512bh column[4];
+      for (int j = 0; j < 4; ++j) column[j] = load_pairs(b_row + 32 * j);
       for (int i = 0; i < ROWS; ++i) {
         int32_t pair;
         std::memcpy(&pair, a + i * a_stride + 2 * p, sizeof(pair));
-        const __m512i pairs = _mm512_set1_epi32(pair);
-        std::memcpy(&row, &pairs, 64);
+        const __m512i pairs = _mm512_set1_epi32(pair);  // row i's pair p, in every lane
+        const __m512bh row = load_pairs(&pairs);
         for (int j = 0; j < 4; ++j) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], row, column[j]);
       }
 #endif
@@ -349,7 +348,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     const Request r{block_tables.data_ptr<int32_t>() + i * block_tables.size(1), first_rows.data_ptr<int32_t>()[i],
                     query_lens.data_ptr<int32_t>()[i], seq_lens.data_ptr<int32_t>()[i], 0};
     TORCH_CHECK(r.query_len >= 0 && r.query_len <= r.seq_len && r.first_row >= 0 &&
-                r.first_row + r.query_len <= q.size(0), "prefill_attention: a request's rows or lengths do not fit");
+                    r.first_row + r.query_len <= q.size(0) && r.seq_len <= block_tables.size(1) * k_cache.size(1),
+                "prefill_attention: a request's rows or lengths do not fit q or its block table");
     requests.push_back(r);
   }
   switch (q.scalar_type()) {

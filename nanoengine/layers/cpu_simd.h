@@ -1,11 +1,31 @@
-// AVX-512 helpers shared by the CPU kernels (attention/cpu_decode.cpp, layers/cpu_ops.cpp); each kernel keeps
-// a plain loop for CPUs without AVX-512.
+// What the CPU kernels share (attention/cpu_decode.cpp, attention/cpu_prefill.cpp, layers/cpu_ops.cpp): AVX-512
+// helpers, for which each kernel keeps a plain loop on CPUs without AVX-512, and the prefetch of a KV block.
 #pragma once
-#if defined(__AVX512F__)
 #include <ATen/ATen.h>
-#include <immintrin.h>
 
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// A running max's start: below every score, and finite, because -ffast-math (which lets the compiler call a
+// vectorized exp) assumes there are no infinities.
+constexpr float kBelowEveryScore = -3.0e38f;
+
+// Asks for a KV block's rows of one head (``row_bytes`` each, ``token_stride`` elements apart) while the
+// block before it is being read: a block table scatters blocks over memory, where no prefetcher follows.
+template <typename T>
+inline void prefetch_block(const T* k, const T* v, int block_size, int64_t token_stride, int row_bytes) {
+  for (int t = 0; t < block_size; ++t)
+    for (int byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k + t * token_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + t * token_stride) + byte);
+    }
+}
+
+#if defined(__AVX512F__)
 
 // 16 values of T from memory as float32 lanes (a 16-bit float widens exactly).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -34,6 +54,16 @@ inline void store16(at::Half* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }
 
+#if defined(__AVX512BF16__)
+// 32 bfloat16 values as dpbf16's pairs, loaded straight into a register (a cast from __m512i goes through memory
+// on GCC 12).
+inline __m512bh load_pairs(const void* p) {
+  __m512bh pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  return pairs;
+}
+#endif
+
 // x rounded to T and back: where torch rounds a bfloat16 or float16 result, so do we.
 template <typename T>
 inline __m512 round16(__m512 x) {
@@ -45,13 +75,14 @@ inline __m512 round16(__m512 x) {
     return x;
 }
 
-// e^x in each lane, to about one unit in the last place: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
-// series to r^6 (the first term left out is below 2e-7 relative), times 2^n. x is first clamped to [-87, 88],
-// so that the result stays a normal float: about 1e-38 where e^x is smaller still.
+// e^x in each lane, to a few units in the last place: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+// series to r^6 (the first term left out is below 2e-7 relative), times 2^n. x is first clamped to [-87, 88], so
+// that the result stays a normal float: about 1e-38 where e^x is smaller still. A NaN stays NaN (max and min
+// return their second operand, x, when it is NaN), so a kernel that reads a poisoned slot shows it.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts: n * ln2's first is exact
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts, for r's precision
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
   __m512 p = _mm512_set1_ps(1.f / 720);
   for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));

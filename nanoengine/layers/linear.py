@@ -129,14 +129,22 @@ def measured_choices(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, .
     return {key: tuple(known[key]) for key in weights}
 
 
-def fastest_at(weight: torch.Tensor) -> list[str]:
-    """The fastest kernel for this weight at each bucket's row count."""
+def fastest_at(weight: torch.Tensor, rounds: int = 5) -> list[str]:
+    """The fastest kernel for this weight at each bucket's row count: each kernel's best of ``rounds`` calls,
+    the kernels taking turns, so that a burst of other work on the machine weighs on all of them alike (timed
+    one after another, a burst once made MKL's AVX2 kernel win a shape where oneDNN is twice as fast)."""
     candidates = {kernel: only_kernel(weight, kernel) for kernel in kernels_for(weight)}
     fastest = []
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        times = {kernel: best_time(linear, x, weight, choice=choice) for kernel, choice in candidates.items()}
-        fastest.append(min(times, key=times.get))
+        best = dict.fromkeys(candidates, float("inf"))
+        for round_number in range(rounds + 1):
+            for kernel, choice in candidates.items():
+                start = time.perf_counter()
+                linear(x, weight, choice=choice)
+                if round_number > 0:  # the first round warms up
+                    best[kernel] = min(best[kernel], time.perf_counter() - start)
+        fastest.append(min(best, key=best.get))
     return fastest
 
 
@@ -144,16 +152,6 @@ def only_kernel(weight: torch.Tensor, kernel: str) -> KernelChoice:
     """``kernel`` for this weight at every row count, with what it needs."""
     return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
                         torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None)
-
-
-def best_time(fn, *args, reps: int = 3, **kwargs) -> float:
-    fn(*args, **kwargs)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn(*args, **kwargs)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
