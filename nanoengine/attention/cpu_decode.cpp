@@ -203,16 +203,9 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                       double scale, const at::Tensor& out) {
-  for (const at::Tensor* t : {&k_cache, &v_cache, &block_tables, &seq_lens, &rows, &out})
+  check_attention_tensors("decode_attention", q, k_cache, v_cache, out);
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &rows})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "decode_attention takes contiguous CPU tensors");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "decode_attention: each row of q (a token's heads) contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "decode_attention: q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
-              "decode_attention: the caches' head_dim or KV heads do not fit q");
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type(), "decode_attention: q, out and the caches share one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               rows.scalar_type() == at::kLong, "decode_attention: int32 block tables and lengths, int64 rows");
   TORCH_CHECK(block_tables.size(0) == rows.size(0) && seq_lens.size(0) == rows.size(0),

@@ -329,16 +329,10 @@ void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, con
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
                        const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
-  for (const at::Tensor* t : {&k_cache, &v_cache, &block_tables, &first_rows, &query_lens, &seq_lens, &out})
+  check_attention_tensors("prefill_attention", q, k_cache, v_cache, out);
+  TORCH_CHECK(q.size(2) % 2 == 0, "prefill_attention: head_dim even");
+  for (const at::Tensor* t : {&block_tables, &first_rows, &query_lens, &seq_lens})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "prefill_attention takes contiguous CPU tensors");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "prefill_attention: each row of q (a token's heads) contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-              k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 && q.size(2) % 2 == 0,
-              "prefill_attention: q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, "
-              "head_dim], head_dim even");
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type(), "prefill_attention: q, out and the caches share one dtype");
   const int num_requests = block_tables.size(0);
   for (const at::Tensor* t : {&block_tables, &first_rows, &query_lens, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->size(0) == num_requests,

@@ -25,6 +25,22 @@ inline void prefetch_block(const T* k, const T* v, int block_size, int64_t token
     }
 }
 
+// The checks both attention kernels make of q, out and the paged caches; ``name`` starts each message.
+inline void check_attention_tensors(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& out) {
+  for (const at::Tensor* t : {&k_cache, &v_cache, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), name, " takes contiguous CPU caches and out");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), name,
+              ": each row of q (a token's heads) contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), name,
+              ": q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, name,
+              ": the caches' head_dim or KV heads do not fit q");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              name, ": q, out and the caches share one dtype");
+}
+
 #if defined(__AVX512F__)
 
 // 16 values of T from memory as float32 lanes (a 16-bit float widens exactly).
