@@ -74,12 +74,12 @@ def test_weights_widened_to_float32_give_f_linear_in_float32_narrowed(dtype, row
 def test_measured_choice_is_cached_per_machine_and_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
     chosen = {"40x96 float32": ["torch", "onednn", "onednn", "onednn"], "8x40 float32": ["torch"] * 4}
-    monkeypatch.setattr(linear_module, "fastest_at", lambda weight: chosen[linear_module.shape_key(weight)])
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops: chosen[linear_module.shape_key(weight)])
     model = TwoLinears(torch.float32)
     choose_linear_kernels(model)
     assert model.first.kernel_choice.used_at == ("torch", "onednn", "onednn", "onednn")
     assert model.second.kernel_choice is None
-    monkeypatch.setattr(linear_module, "fastest_at", lambda weight: pytest.fail("timed again"))
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops: pytest.fail("timed again"))
     again = TwoLinears(torch.float32)
     choose_linear_kernels(again)
     assert again.first.kernel_choice.used_at == ("torch", "onednn", "onednn", "onednn")
@@ -93,10 +93,10 @@ def test_an_older_cache_entry_is_timed_again(monkeypatch, tmp_path):
     replaced, not misread."""
     monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
     model = TwoLinears(torch.float32)
-    machine = f"{linear_module.cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
+    machine = linear_module.machine_key()
     old = {"40x96 float32": [False, True, True], "8x40 float32": ["torch", "float32", "torch", "torch"]}
     (tmp_path / "linear-kernels.json").write_text(json.dumps({machine: old}))
-    monkeypatch.setattr(linear_module, "fastest_at", lambda weight: ["onednn"] * 4)
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops: ["onednn"] * 4)
     choose_linear_kernels(model)
     assert model.first.kernel_choice.used_at == model.second.kernel_choice.used_at == ("onednn",) * 4
 
@@ -202,3 +202,66 @@ def test_the_small_op_kernels_refuse_what_they_cannot_read(cpu_ops):
         cpu_ops.silu_and_mul(torch.ones(2, 8, dtype=torch.float64), torch.empty(2, 4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="even head_dim"):
         cpu_ops.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
+
+
+# The few-row linear kernel (layers/cpu_linear.cpp) against the exact product -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def linear_ops(cpu_ops):
+    if not cpu_ops.has_linear_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: the kernel is not built, and never offered (tested below)")
+    return cpu_ops
+
+
+def assert_rounded_exact_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    """Each output is the exact sum rounded once to bfloat16, give or take what float32 accumulation can move it:
+    within half a bfloat16 unit plus K float32 roundings of the largest partial sum."""
+    terms = x.double().unsqueeze(1) * weight.double().unsqueeze(0)  # [rows, N, K]
+    exact = terms.sum(-1) + (0 if bias is None else bias.double())
+    accumulation = terms.abs().sum(-1) * weight.shape[1] * 2.0**-24
+    unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-100))) - 7)  # a bfloat16 ulp at exact
+    assert not out.isnan().any()
+    assert ((out.double() - exact).abs() <= unit / 2 + accumulation).all()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 23, 33])
+@pytest.mark.parametrize("out_features, in_features", [(16, 2), (48, 34), (112, 96), (400, 576)])
+def test_the_linear_kernel_gives_the_exact_product_rounded_once(linear_ops, rows, out_features, in_features):
+    """Every row count the tiles split differently (1-2, 3-4 and 8-row chunks, and each remainder), outputs
+    that leave partial tiles of blocks (7, 25 blocks), and NaN in out before the call."""
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    for bias in (None, torch.randn(out_features, dtype=torch.bfloat16)):
+        out = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
+        linear_ops.linear_bf16(x, linear_module.pack_pairs(weight), bias, out)
+        assert_rounded_exact_product(out, x, weight, bias)
+
+
+def test_the_linear_kernel_through_linear_takes_views_and_batches(linear_ops):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 40, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    choice = linear_module.only_kernel(weight, "avx512-bf16", linear_ops)
+    wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+    out = linear(wide[..., :40], weight, bias, choice)
+    assert out.shape == (2, 3, 64)
+    assert_rounded_exact_product(out.view(6, 64), wide[..., :40].reshape(6, 40), weight, bias)
+
+
+def test_the_linear_kernel_is_offered_only_for_weights_it_can_pack(linear_ops):
+    offered = [linear_module.kernels_for(torch.empty(shape, dtype=dtype), linear_ops)
+               for shape, dtype in (((64, 40), torch.bfloat16), ((40, 64), torch.bfloat16), ((64, 41), torch.bfloat16),
+                                    ((64, 40), torch.float32), ((64, 40), torch.float16))]
+    assert ["avx512-bf16" in kernels for kernels in offered] == [True, False, False, False, False]
+    assert "avx512-bf16" not in linear_module.kernels_for(torch.empty(64, 40, dtype=torch.bfloat16))  # no ops
+
+
+def test_the_linear_kernel_refuses_what_it_cannot_read(linear_ops):
+    weight = torch.randn(32, 8, dtype=torch.bfloat16)
+    packed, out = linear_module.pack_pairs(weight), torch.empty(3, 32, dtype=torch.bfloat16)
+    for x, into in ((torch.randn(3, 8), out), (torch.randn(3, 6, dtype=torch.bfloat16), out),
+                    (torch.randn(3, 16, dtype=torch.bfloat16)[:, ::2], out),
+                    (torch.randn(3, 8, dtype=torch.bfloat16), torch.empty(3, 16, dtype=torch.bfloat16))):
+        with pytest.raises(RuntimeError, match="linear_bf16"):
+            linear_ops.linear_bf16(x, packed, None, into)

@@ -232,6 +232,10 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
+// The linear layers' few-row kernel, in nanoengine/layers/cpu_linear.cpp.
+bool has_linear_bf16();
+void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                 const at::Tensor& out);
 // Prompt attention, in nanoengine/attention/cpu_prefill.cpp.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
@@ -245,4 +249,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, release);
   m.def("store_kv", &store_kv, release);
   m.def("prefill_attention", &prefill_attention, release);
+  m.def("has_linear_bf16", &has_linear_bf16);
+  m.def("linear_bf16", &linear_bf16, release);
 }

@@ -88,6 +88,9 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         if self.device.type == "cpu":
             keep_freed_memory()
+        self.backend = load_backend(config.attention_backend)
+        # The cpu backend's extension also holds the layers' C++ ops (and a linear kernel for few rows).
+        self.cpu_ops = getattr(self.backend, "kernels", None)
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
@@ -103,7 +106,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(model, self.config.model)
-        choose_linear_kernels(model)  # on the CPU only
+        choose_linear_kernels(model, cpu_ops=self.cpu_ops)  # on the CPU only
         return model.eval()
 
     def attention_layers(self) -> list[Attention]:
@@ -123,13 +126,12 @@ class ModelRunner:
         # On the CPU, empty() maps fresh zero pages lazily, where zeros() would touch gigabytes up front.
         allocate = torch.empty if self.device.type == "cpu" else torch.zeros
         self.kv_cache = allocate(shape, dtype=self.config.torch_dtype, device=self.device)
-        backend = load_backend(self.config.attention_backend)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
-        if getattr(backend, "kernels", None) is not None:  # the cpu backend: its extension has the small ops too
+            layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], self.backend
+        if self.cpu_ops is not None:
             for module in self.model.modules():
                 if hasattr(module, "cpu_ops"):
-                    module.cpu_ops = backend.kernels
+                    module.cpu_ops = self.cpu_ops
         return num_blocks
 
     def blocks_that_fit(self, bytes_per_block: int) -> int:
@@ -164,11 +166,10 @@ class ModelRunner:
             block_tables=torch.zeros((num_seqs, -(-seq_len // self.block_size)), dtype=torch.int32,
                                      device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens)
-        backend = load_backend(self.config.attention_backend)
         for layer in self.attention_layers():  # no cache yet: every block table points at one block of zeros
             layer.k_cache = layer.v_cache = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim,
                                                         dtype=self.config.torch_dtype, device=self.device)
-            layer.backend = backend
+            layer.backend = self.backend
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self.model(input_ids, torch.zeros_like(input_ids), meta)
 

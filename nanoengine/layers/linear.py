@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +30,15 @@ logger = logging.getLogger(__name__)
 # then the faster, and exact (a product of two bfloat16 or float16 values is exact in float32, which is also
 # what the narrow kernels accumulate in). So the kernel is chosen by measurement: for each weight shape and
 # row-count bucket, the fastest. oneDNN wants the weight in its own blocked layout, made once. torch exposes
-# this pair of ops only privately (its compiler uses them), so both calls are kept to this file.
+# this pair of ops only privately (its compiler uses them), so both calls are kept to this file. At a decode's
+# few rows a layer's time is reading its weight, which oneDNN does at about half the memory's speed: our own
+# kernel (cpu_linear.cpp, AVX512-BF16, a layout of its own) is a fourth candidate for bfloat16 weights.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
 ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows takes the kernel timed at these rows
-KERNELS = ("torch", "onednn", "float32")  # F.linear, oneDNN's packed weight, widened to float32
+# F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
+KERNELS = ("torch", "onednn", "float32", "avx512-bf16")
 CHOICES = ("auto", *KERNELS)
 
 
@@ -45,6 +49,8 @@ class KernelChoice:
     used_at: tuple[str, ...]
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout, where a bucket uses "onednn"
     scratch: torch.Tensor | None = None  # float32, at least the weight's size (shared by the model's layers)
+    pairs: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "avx512-bf16"
+    cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
 
 
 def row_bucket(rows: int) -> int:
@@ -56,6 +62,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel = choice.used_at[row_bucket(x.shape[:-1].numel())] if choice is not None else "torch"
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
+    if kernel == "avx512-bf16":
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+        choice.cpu_ops.linear_bf16(rows, choice.pairs, bias, out)
+        return out.view(*x.shape[:-1], weight.shape[0])
     if kernel == "float32":
         wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
@@ -73,50 +84,63 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
 
-def kernels_for(weight: torch.Tensor) -> tuple[str, ...]:
-    """The kernels that can multiply by this weight (on the CPU)."""
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` [N, K] as [N/16, K/2, 16, 2]: cpu_linear.cpp's 64-byte loads, in the order it reads."""
+    out_features, in_features = weight.shape
+    return weight.detach().view(out_features // 16, 16, in_features // 2, 2).transpose(1, 2).contiguous()
+
+
+def can_pack_pairs(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:
+    return (cpu_ops is not None and weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 2 == 0 and cpu_ops.has_linear_bf16())
+
+
+def kernels_for(weight: torch.Tensor, cpu_ops: ModuleType | None = None) -> tuple[str, ...]:
+    """The kernels that can multiply by this weight (on the CPU; ``cpu_ops``: the C++ extension, if built)."""
     if weight.device.type != "cpu":
         return ("torch",)
-    return ("torch",) + ("onednn",) * can_pack_for_onednn(weight) + ("float32",) * (weight.dtype in WIDENED_DTYPES)
+    return (("torch",) + ("onednn",) * can_pack_for_onednn(weight) + ("float32",) * (weight.dtype in WIDENED_DTYPES)
+            + ("avx512-bf16",) * can_pack_pairs(weight, cpu_ops))
 
 
-def choose_linear_kernels(model: nn.Module, kernel: str = "auto") -> None:
+def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: ModuleType | None = None) -> None:
     """Give every linear layer (and the LM head) the fastest kernel for its shape at each row bucket: measured
-    once per machine and cached (``kernel="auto"``), or forced (where the weight allows it, else F.linear)."""
+    once per machine and cached (``kernel="auto"``), or forced (where the weight allows it, else F.linear).
+    ``cpu_ops``: the C++ extension (attention/cpu_backend.py), for cpu_linear.cpp's kernel."""
     if kernel not in CHOICES:
         raise ValueError(f"kernel must be one of {CHOICES}, got {kernel!r}")
-    layers = [m for m in model.modules() if hasattr(m, "kernel_choice") and len(kernels_for(m.weight)) > 1]
+    layers = [m for m in model.modules() if hasattr(m, "kernel_choice") and len(kernels_for(m.weight, cpu_ops)) > 1]
     if kernel != "auto":
-        choices = {shape_key(m.weight): (kernel if kernel in kernels_for(m.weight) else "torch",) * len(ROW_BUCKETS)
-                   for m in layers}
+        choices = {shape_key(m.weight): (kernel if kernel in kernels_for(m.weight, cpu_ops) else "torch",)
+                   * len(ROW_BUCKETS) for m in layers}
     else:
-        choices = measured_choices({shape_key(m.weight): m.weight for m in layers})
+        choices = measured_choices({shape_key(m.weight): m.weight for m in layers}, cpu_ops)
     widened = [m.weight.numel() for m in layers if "float32" in choices[shape_key(m.weight)]]
     scratch = torch.empty(max(widened), dtype=torch.float32) if widened else None
     for module in layers:
         used_at = choices[shape_key(module.weight)]
-        packed = pack_for_onednn(module.weight) if "onednn" in used_at else None
-        module.kernel_choice = KernelChoice(used_at, packed, scratch) if set(used_at) != {"torch"} else None
+        module.kernel_choice = None if set(used_at) == {"torch"} else KernelChoice(
+            used_at, pack_for_onednn(module.weight) if "onednn" in used_at else None, scratch,
+            pack_pairs(module.weight) if "avx512-bf16" in used_at else None, cpu_ops)
 
 
 def shape_key(weight: torch.Tensor) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
 
 
-def measured_choices(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, ...]]:
+def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | None) -> dict[str, tuple[str, ...]]:
     """Per shape, the fastest kernel at each row bucket; shapes this machine has not timed yet are timed now
     (the log says how long it took) and added to the cache file. Delete the file to time again (figures
     taken while other work loads the machine can pick the wrong kernel)."""
     path = cache_dir() / "linear-kernels.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
-    machine = f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
-    known = cache.setdefault(machine, {})
+    known = cache.setdefault(machine_key(), {})
     start = time.perf_counter()
     # An entry of another shape (an older version's, with other buckets or kernels) is timed again.
     missing = {key: weight for key, weight in weights.items()
                if not (isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS)
-                       and set(known[key]) <= set(kernels_for(weight)))}
-    known.update({key: fastest_at(weight) for key, weight in missing.items()})
+                       and set(known[key]) <= set(kernels_for(weight, cpu_ops)))}
+    known.update({key: fastest_at(weight, cpu_ops) for key, weight in missing.items()})
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -129,11 +153,16 @@ def measured_choices(weights: dict[str, torch.Tensor]) -> dict[str, tuple[str, .
     return {key: tuple(known[key]) for key in weights}
 
 
-def fastest_at(weight: torch.Tensor, rounds: int = 5) -> list[str]:
+def machine_key() -> str:
+    """What the cached choices hold for: the CPU, torch, its threads and the kernels there were to choose from."""
+    return f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads; {'/'.join(KERNELS)}"
+
+
+def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, rounds: int = 5) -> list[str]:
     """The fastest kernel for this weight at each bucket's row count: each kernel's best of ``rounds`` calls,
     the kernels taking turns, so that a burst of other work on the machine weighs on all of them alike (timed
     one after another, a burst once made MKL's AVX2 kernel win a shape where oneDNN is twice as fast)."""
-    candidates = {kernel: only_kernel(weight, kernel) for kernel in kernels_for(weight)}
+    candidates = {kernel: only_kernel(weight, kernel, cpu_ops) for kernel in kernels_for(weight, cpu_ops)}
     fastest = []
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
@@ -148,10 +177,11 @@ def fastest_at(weight: torch.Tensor, rounds: int = 5) -> list[str]:
     return fastest
 
 
-def only_kernel(weight: torch.Tensor, kernel: str) -> KernelChoice:
+def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = None) -> KernelChoice:
     """``kernel`` for this weight at every row count, with what it needs."""
     return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
-                        torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None)
+                        torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None,
+                        pack_pairs(weight) if kernel == "avx512-bf16" else None, cpu_ops)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
