@@ -127,6 +127,14 @@ def test_proposer_drafts_what_followed_the_longest_suffix_ngram_first_seen():
     assert propose_ngram([1, 2, 3, 4, 9, 2, 3, 4, 7, 8, 2, 3, 4], 2, 3, k=2) == [9, 2]  # the 3-gram's first
     assert propose_ngram([5, 6, 1, 2, 7, 1, 2], 2, 3, k=4) == [7, 1, 2]  # cut by the end of the tokens
     assert propose_ngram([1, 2, 3, 4, 5, 3], 2, 3, k=2) == []  # no 2-gram repeats
+
+
+def test_proposer_drafts_from_the_occurrence_whose_context_agrees_longest():
+    """[2, 3, 4] occurs three times before the suffix, which follows 7, 8: the occurrence at 6 follows 8 (one
+    token agrees), the one at 12 follows 7, 8 (two agree); the longest agreement wins, the first of equals."""
+    tokens = [1, 2, 3, 4, 9, 8, 2, 3, 4, 5, 7, 8, 2, 3, 4, 6, 7, 8, 2, 3, 4]
+    assert propose_ngram(tokens, 2, 3, k=2) == [6, 7]  # vLLM's first occurrence would draft [9, 8]
+    assert propose_ngram(tokens[:15], 2, 3, k=2) == [5, 7]  # there only the one at 6 agrees (8 before it)
     assert propose_ngram([1, 2, 3, 4, 5, 3], 1, 3, k=2) == [4, 5]
     assert propose_ngram([7], 1, 3, k=2) == []
 

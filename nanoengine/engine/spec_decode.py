@@ -2,7 +2,10 @@
 
 - Proposing: after a step, a request that decodes looks for the longest suffix n-gram of its tokens
   (``prompt_lookup_max`` down to ``prompt_lookup_min`` long) earlier in its prompt and output, and drafts
-  the tokens that followed its first occurrence, as many as its draft length allows.
+  the tokens that followed it, as many as its draft length allows. Where the n-gram occurs more than once,
+  it takes the occurrence whose preceding tokens agree longest with its own (the place it is copying from),
+  the first of equals; vLLM takes the first. On the spec preset's outputs, replayed: 20% fewer steps for
+  its one request, 2-4% for the others.
 - The scheduler gives a decode 1 + k tokens of the budget; the model runner computes logits at all k + 1
   positions, and each row is sampled exactly as plain decoding would sample it (penalties, min_tokens,
   grammar, temperature, min-p, top-k, top-p; the row after draft j sees the drafts up to j as output).
@@ -32,19 +35,31 @@ import numpy as np
 MAX_WAIT = 64  # decode steps a request at draft length 0 waits, at most, before probing again
 COST_WINDOW = 64  # decode steps the step-cost fit looks back over
 MIN_COST_SAMPLES = 8
+AGREEMENT_WINDOW = 32  # tokens before an n-gram's occurrences compared with those before the suffix
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the first earlier occurrence of the longest matching suffix n-gram."""
+    """Up to ``k`` tokens that followed an earlier occurrence of the longest matching suffix n-gram: of its
+    occurrences, the one whose preceding tokens agree longest with those before the suffix (up to
+    ``AGREEMENT_WINDOW``), the first of those that agree equally (vLLM takes the first occurrence)."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         # Windows start at 0 .. len - n - 1: every n-gram but the suffix itself.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
-            start = hits[0] + n
+            start = hits[np.argmax(agreement(tokens, hits, n))] + n
             return tokens[start:start + k].tolist()
     return []
+
+
+def agreement(tokens: np.ndarray, hits: np.ndarray, n: int) -> np.ndarray:
+    """For each occurrence of the suffix n-gram starting at ``hits``, how many tokens before it equal the ones
+    before the suffix, counted back from it until the first that differs."""
+    back = np.arange(1, AGREEMENT_WINDOW + 1)
+    theirs, ours = hits[:, None] - back, len(tokens) - n - back  # [hits, window] and [window]
+    same = (theirs >= 0) & (ours >= 0) & (tokens[theirs.clip(0)] == tokens[ours.clip(0)])
+    return np.cumprod(same, axis=1).sum(axis=1)
 
 
 def accepted_run(draft_ids: list[int], sampled_ids: list[int]) -> list[int]:
