@@ -206,62 +206,72 @@ def test_the_small_op_kernels_refuse_what_they_cannot_read(cpu_ops):
 
 # The few-row linear kernel (layers/cpu_linear.cpp) against the exact product -------------------------------------
 
+LINEAR_DTYPES = [torch.float32, torch.bfloat16]
 
-@pytest.fixture(scope="module")
-def linear_ops(cpu_ops):
-    if not cpu_ops.has_linear_bf16():
-        pytest.skip("this CPU has no AVX512-BF16: the kernel is not built, and never offered (tested below)")
+
+def linear_ops_for(cpu_ops, dtype: torch.dtype):
+    if str(dtype).removeprefix("torch.") not in cpu_ops.linear_dtypes():
+        pytest.skip(f"this CPU cannot run the kernel in {dtype} (AVX-512, and AVX512-BF16 for bfloat16), so it is "
+                    "never offered (tested below)")
     return cpu_ops
 
 
 def assert_rounded_exact_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
-    """Each output is the exact sum rounded once to bfloat16, give or take what float32 accumulation can move it:
-    within half a bfloat16 unit plus K float32 roundings of the largest partial sum."""
+    """Each output is the exact sum rounded once to its dtype, give or take what float32 accumulation can move
+    it: within half a unit in the last place plus K float32 roundings of the largest partial sum."""
     terms = x.double().unsqueeze(1) * weight.double().unsqueeze(0)  # [rows, N, K]
     exact = terms.sum(-1) + (0 if bias is None else bias.double())
     accumulation = terms.abs().sum(-1) * weight.shape[1] * 2.0**-24
-    unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-100))) - 7)  # a bfloat16 ulp at exact
+    mantissa_bits = 7 if out.dtype == torch.bfloat16 else 23
+    unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-100))) - mantissa_bits)
     assert not out.isnan().any()
     assert ((out.double() - exact).abs() <= unit / 2 + accumulation).all()
 
 
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 23, 33])
 @pytest.mark.parametrize("out_features, in_features", [(16, 2), (48, 34), (112, 96), (400, 576)])
-def test_the_linear_kernel_gives_the_exact_product_rounded_once(linear_ops, rows, out_features, in_features):
+def test_the_linear_kernel_gives_the_exact_product_rounded_once(cpu_ops, dtype, rows, out_features, in_features):
     """Every row count the tiles split differently (1-2, 3-4 and 8-row chunks, and each remainder), outputs
     that leave partial tiles of blocks (7, 25 blocks), and NaN in out before the call."""
+    linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
-    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-    for bias in (None, torch.randn(out_features, dtype=torch.bfloat16)):
-        out = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
-        linear_ops.linear_bf16(x, linear_module.pack_pairs(weight), bias, out)
+    weight = torch.randn(out_features, in_features, dtype=dtype)
+    x = torch.randn(rows, in_features, dtype=dtype)
+    for bias in (None, torch.randn(out_features, dtype=dtype)):
+        out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+        linear_ops.linear(x, linear_module.pack_steps(weight), bias, out)
         assert_rounded_exact_product(out, x, weight, bias)
 
 
-def test_the_linear_kernel_through_linear_takes_views_and_batches(linear_ops):
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=["fp32", "bf16"])
+def test_the_linear_kernel_through_linear_takes_views_and_batches(cpu_ops, dtype):
+    linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(0)
-    weight, bias = torch.randn(64, 40, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
-    choice = linear_module.only_kernel(weight, "avx512-bf16", linear_ops)
-    wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+    weight, bias = torch.randn(64, 40, dtype=dtype), torch.randn(64, dtype=dtype)
+    choice = linear_module.only_kernel(weight, "avx512", linear_ops)
+    wide = torch.randn(2, 3, 96, dtype=dtype)
     out = linear(wide[..., :40], weight, bias, choice)
-    assert out.shape == (2, 3, 64)
+    assert out.shape == (2, 3, 64) and out.dtype == dtype
     assert_rounded_exact_product(out.view(6, 64), wide[..., :40].reshape(6, 40), weight, bias)
 
 
-def test_the_linear_kernel_is_offered_only_for_weights_it_can_pack(linear_ops):
-    offered = [linear_module.kernels_for(torch.empty(shape, dtype=dtype), linear_ops)
+def test_the_linear_kernel_is_offered_only_for_weights_it_can_pack(cpu_ops):
+    bf16 = "bfloat16" in cpu_ops.linear_dtypes()
+    fp32 = "float32" in cpu_ops.linear_dtypes()
+    offered = [linear_module.kernels_for(torch.empty(shape, dtype=dtype), cpu_ops)
                for shape, dtype in (((64, 40), torch.bfloat16), ((40, 64), torch.bfloat16), ((64, 41), torch.bfloat16),
-                                    ((64, 40), torch.float32), ((64, 40), torch.float16))]
-    assert ["avx512-bf16" in kernels for kernels in offered] == [True, False, False, False, False]
-    assert "avx512-bf16" not in linear_module.kernels_for(torch.empty(64, 40, dtype=torch.bfloat16))  # no ops
+                                    ((64, 41), torch.float32), ((40, 64), torch.float32), ((64, 40), torch.float16))]
+    assert ["avx512" in kernels for kernels in offered] == [bf16, False, False, fp32, False, False]
+    assert "avx512" not in linear_module.kernels_for(torch.empty(64, 40))  # without the extension
 
 
-def test_the_linear_kernel_refuses_what_it_cannot_read(linear_ops):
-    weight = torch.randn(32, 8, dtype=torch.bfloat16)
-    packed, out = linear_module.pack_pairs(weight), torch.empty(3, 32, dtype=torch.bfloat16)
-    for x, into in ((torch.randn(3, 8), out), (torch.randn(3, 6, dtype=torch.bfloat16), out),
-                    (torch.randn(3, 16, dtype=torch.bfloat16)[:, ::2], out),
-                    (torch.randn(3, 8, dtype=torch.bfloat16), torch.empty(3, 16, dtype=torch.bfloat16))):
-        with pytest.raises(RuntimeError, match="linear_bf16"):
-            linear_ops.linear_bf16(x, packed, None, into)
+def test_the_linear_kernel_refuses_what_it_cannot_read(cpu_ops):
+    linear_ops = linear_ops_for(cpu_ops, torch.float32)
+    weight = torch.randn(32, 8)
+    packed, out = linear_module.pack_steps(weight), torch.empty(3, 32)
+    for x, into in ((torch.randn(3, 8, dtype=torch.bfloat16), out), (torch.randn(3, 6), out),
+                    (torch.randn(3, 16)[:, ::2], out), (torch.randn(3, 8), torch.empty(3, 16)),
+                    (torch.randn(3, 8, dtype=torch.float16), out.half())):
+        with pytest.raises(RuntimeError, match="linear"):
+            linear_ops.linear(x, packed, None, into)

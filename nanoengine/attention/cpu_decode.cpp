@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -233,9 +234,9 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
 // The linear layers' few-row kernel, in nanoengine/layers/cpu_linear.cpp.
-bool has_linear_bf16();
-void linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                 const at::Tensor& out);
+std::vector<std::string> linear_dtypes();
+void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+            const at::Tensor& out);
 // Prompt attention, in nanoengine/attention/cpu_prefill.cpp.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
@@ -249,6 +250,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, release);
   m.def("store_kv", &store_kv, release);
   m.def("prefill_attention", &prefill_attention, release);
-  m.def("has_linear_bf16", &has_linear_bf16);
-  m.def("linear_bf16", &linear_bf16, release);
+  m.def("linear_dtypes", &linear_dtypes);
+  m.def("linear", &linear, release);
 }

@@ -32,13 +32,13 @@ logger = logging.getLogger(__name__)
 # row-count bucket, the fastest. oneDNN wants the weight in its own blocked layout, made once. torch exposes
 # this pair of ops only privately (its compiler uses them), so both calls are kept to this file. At a decode's
 # few rows a layer's time is reading its weight, which oneDNN does at about half the memory's speed: our own
-# kernel (cpu_linear.cpp, AVX512-BF16, a layout of its own) is a fourth candidate for bfloat16 weights.
+# AVX-512 kernel (cpu_linear.cpp, float32 and bfloat16, in a layout of its own) is the fourth candidate.
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
 ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows takes the kernel timed at these rows
 # F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
-KERNELS = ("torch", "onednn", "float32", "avx512-bf16")
+KERNELS = ("torch", "onednn", "float32", "avx512")
 CHOICES = ("auto", *KERNELS)
 
 
@@ -49,7 +49,7 @@ class KernelChoice:
     used_at: tuple[str, ...]
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout, where a bucket uses "onednn"
     scratch: torch.Tensor | None = None  # float32, at least the weight's size (shared by the model's layers)
-    pairs: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "avx512-bf16"
+    steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "avx512"
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
 
 
@@ -62,10 +62,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel = choice.used_at[row_bucket(x.shape[:-1].numel())] if choice is not None else "torch"
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
-    if kernel == "avx512-bf16":
+    if kernel == "avx512":
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-        choice.cpu_ops.linear_bf16(rows, choice.pairs, bias, out)
+        choice.cpu_ops.linear(rows, choice.steps, bias, out)
         return out.view(*x.shape[:-1], weight.shape[0])
     if kernel == "float32":
         wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
@@ -84,15 +84,18 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
 
-def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of ``weight`` [N, K] as [N/16, K/2, 16, 2]: cpu_linear.cpp's 64-byte loads, in the order it reads."""
+def pack_steps(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's 64-byte loads in the order it
+    reads them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32."""
+    step = 2 if weight.dtype == torch.bfloat16 else 1
     out_features, in_features = weight.shape
-    return weight.detach().view(out_features // 16, 16, in_features // 2, 2).transpose(1, 2).contiguous()
+    return weight.detach().view(out_features // 16, 16, in_features // step, step).transpose(1, 2).contiguous()
 
 
-def can_pack_pairs(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:
-    return (cpu_ops is not None and weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 2 == 0 and cpu_ops.has_linear_bf16())
+def can_pack_steps(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:
+    dtype = str(weight.dtype).removeprefix("torch.")
+    return (cpu_ops is not None and dtype in cpu_ops.linear_dtypes() and weight.shape[0] % 16 == 0
+            and weight.shape[1] % (2 if dtype == "bfloat16" else 1) == 0)
 
 
 def kernels_for(weight: torch.Tensor, cpu_ops: ModuleType | None = None) -> tuple[str, ...]:
@@ -100,7 +103,7 @@ def kernels_for(weight: torch.Tensor, cpu_ops: ModuleType | None = None) -> tupl
     if weight.device.type != "cpu":
         return ("torch",)
     return (("torch",) + ("onednn",) * can_pack_for_onednn(weight) + ("float32",) * (weight.dtype in WIDENED_DTYPES)
-            + ("avx512-bf16",) * can_pack_pairs(weight, cpu_ops))
+            + ("avx512",) * can_pack_steps(weight, cpu_ops))
 
 
 def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: ModuleType | None = None) -> None:
@@ -121,7 +124,7 @@ def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: Modul
         used_at = choices[shape_key(module.weight)]
         module.kernel_choice = None if set(used_at) == {"torch"} else KernelChoice(
             used_at, pack_for_onednn(module.weight) if "onednn" in used_at else None, scratch,
-            pack_pairs(module.weight) if "avx512-bf16" in used_at else None, cpu_ops)
+            pack_steps(module.weight) if "avx512" in used_at else None, cpu_ops)
 
 
 def shape_key(weight: torch.Tensor) -> str:
@@ -181,7 +184,7 @@ def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = 
     """``kernel`` for this weight at every row count, with what it needs."""
     return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
                         torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None,
-                        pack_pairs(weight) if kernel == "avx512-bf16" else None, cpu_ops)
+                        pack_steps(weight) if kernel == "avx512" else None, cpu_ops)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
