@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
+from nanoengine.config import EngineConfig
 from nanoengine.sampling_params import StructuredOutputsParams, field_error
-from nanoengine.serve.cli import build_parser, engine_options
+from nanoengine.serve.cli import build_parser, engine_options, with_server_defaults
 from nanoengine.serve.engine_core import EngineCoreRequest, handle
 from nanoengine.serve.protocol import CompletionRequest, ResponseFormat, structured_outputs_params
 
@@ -320,6 +321,20 @@ def test_every_llm_option_is_a_flag():
     assert (args.model, args.port, args.host) == ("/some/model", 9000, "127.0.0.1")
     assert engine_options(args) == {"max_num_seqs": 64, "enable_prefix_caching": False, "tensor_parallel_size": 2,
                                     "cpu_kvcache_space_gib": 0.5}
+
+
+def test_the_server_takes_vllm_server_defaults_on_the_cpu(sharp_tiny_model):
+    """A step of 2,048 tokens and 128 requests, as `vllm serve` on the CPU; what the user gives is kept, and a
+    smaller budget lowers the request cap with it (as offline)."""
+    assert with_server_defaults({"device": "cpu"}) == {"device": "cpu", "max_num_batched_tokens": 2048,
+                                                       "max_num_seqs": 128}
+    assert with_server_defaults({"device": "cpu", "max_num_batched_tokens": 64}) == {
+        "device": "cpu", "max_num_batched_tokens": 64, "max_num_seqs": 64}
+    assert with_server_defaults({"device": "cpu", "max_num_seqs": 300, "max_num_batched_tokens": 8192}) == {
+        "device": "cpu", "max_num_batched_tokens": 8192, "max_num_seqs": 300}
+    assert with_server_defaults({"device": "cuda"}) == {"device": "cuda"}
+    config = EngineConfig.from_options(sharp_tiny_model[0], with_server_defaults({"device": "cpu"}))
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == (2048, 128)
 
 
 def test_an_engine_core_refusal_names_the_field_at_fault():

@@ -20,6 +20,7 @@ import typing
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+import torch
 import uvicorn
 
 from nanoengine import prefix_report
@@ -33,6 +34,7 @@ from nanoengine.serve.metrics import Metrics
 from nanoengine.utils.default_model import default_model_path
 
 ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
+SERVER_CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}  # vLLM's API server's, on the CPU
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +45,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             kind = next(t for t in typing.get_args(kind) if t is not type(None))
         flag = "--" + option.name.replace("_", "-")
         default = None if option.default is MISSING else option.default
+        if option.name in SERVER_CPU_DEFAULTS:
+            default = f"{SERVER_CPU_DEFAULTS[option.name]} on the CPU, as vLLM's server; else {default or 256}"
         extra = ({"action": argparse.BooleanOptionalAction} if kind is bool
                  else {"type": json.loads, "metavar": "JSON"} if kind is dict else {"type": kind})
         parser.add_argument(flag, default=argparse.SUPPRESS, help=f"LLM option (default: {default})", **extra)
@@ -66,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return {option.name: getattr(args, option.name) for option in ENGINE_OPTIONS if hasattr(args, option.name)}
+
+
+def with_server_defaults(options: dict) -> dict:
+    """vLLM's defaults for its API server on the CPU, where they differ from an offline LLM's: a step of at most
+    2,048 tokens (8,192 offline) and 128 requests, so that a burst's first prompts get their first tokens
+    before the last ones are in (at 16 requests a second, float32: mean TTFT 7.3 -> 4.7 s on a 2-core EPYC)."""
+    device = options.get("device", "auto")
+    if device != "cpu" and (device != "auto" or torch.cuda.is_available()):
+        return options
+    budget = options.get("max_num_batched_tokens", SERVER_CPU_DEFAULTS["max_num_batched_tokens"])
+    max_num_seqs = min(SERVER_CPU_DEFAULTS["max_num_seqs"], budget)  # a budget below it lowers it, as offline
+    return {"max_num_batched_tokens": budget, "max_num_seqs": max_num_seqs} | options
 
 
 class HTTPServer(uvicorn.Server):
@@ -107,7 +123,8 @@ def serve(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
     try:
-        config = EngineConfig.from_options(args.model or default_model_path(), engine_options(args))
+        options = with_server_defaults(engine_options(args))
+        config = EngineConfig.from_options(args.model or default_model_path(), options)
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
     if config.node_ranks()[0] != 0:
