@@ -164,6 +164,23 @@ def test_draft_length_grows_on_success_shrinks_on_failure_and_probes_with_backof
     assert waited == spec_decode.MAX_WAIT
 
 
+def test_a_new_request_starts_from_the_engines_recent_acceptance(folder, monkeypatch):
+    """A fixed prior of 0.5 once kept a 16-request batch from ever drafting: its step cost asked for 0.54, and
+    a request that never drafts never updates its rate. A new request now starts from the rate the engine saw."""
+    assert worth_drafting([0.5], [4], 16, (0.0089, 0.00064)) == [0]
+    assert worth_drafting([0.85], [4], 16, (0.0089, 0.00064))[0] > 0
+    assert DraftLength(4, prior=0.85).acceptance == pytest.approx(0.85)
+    oracle_drafts(monkeypatch, PROMPTS, generate(folder, PROMPTS, GREEDY)[0])  # two drafts in three accepted
+    with LLM(folder, **ENGINE, speculative_config=SPEC) as llm:
+        engine = llm.llm_engine
+        assert engine.acceptance.value == 0.5
+        keep_every_draft(engine)
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert 0.6 < engine.acceptance.value < 0.75
+        engine.add_request("new", PATTERN, GREEDY)
+        assert engine.requests["new"].draft_length.acceptance == engine.acceptance.value
+
+
 def test_step_cost_is_fitted_once_steps_of_different_sizes_ran():
     cost = StepCost()
     for rows in (4, 8, 12, 16, 4, 8, 12):

@@ -15,7 +15,7 @@ from nanoengine.engine.executor import make_executor
 from nanoengine.engine.model_runner import StepResult
 from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
-from nanoengine.engine.spec_decode import DraftLength, StepCost, propose_ngram, worth_drafting
+from nanoengine.engine.spec_decode import AcceptanceRate, DraftLength, StepCost, propose_ngram, worth_drafting
 from nanoengine.engine.structured_output import GrammarBitmask, StructuredOutputManager, grammar_prefix
 from nanoengine.engine.trace import StepTrace
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -40,6 +40,7 @@ class LLMEngine:
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the last step
         self.spec_counts = [0, 0, 0]  # speculative decoding: (drafted requests, draft tokens, accepted tokens)
         self.step_cost = StepCost()  # with speculative decoding: what a decode step costs per row
+        self.acceptance = AcceptanceRate(decay=0.99)  # over every request's verified drafts: a new one's prior
         self.trace = StepTrace(self.scheduler) if config.trace else None
 
     def init_request_checks(self, config: EngineConfig) -> None:
@@ -184,7 +185,8 @@ class LLMEngine:
             return
         self.requests[request.request_id] = request
         if self.config.speculative is not None:
-            request.draft_length = DraftLength(self.config.speculative.num_speculative_tokens)
+            request.draft_length = DraftLength(self.config.speculative.num_speculative_tokens,
+                                               prior=self.acceptance.value)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
         self.scheduler.add(request)
@@ -331,6 +333,7 @@ class LLMEngine:
         for i, count in enumerate((1, num_drafts, num_accepted)):
             self.spec_counts[i] += count
         request.draft_length.update(num_drafts, num_accepted)
+        self.acceptance.update(num_drafts, num_accepted)
         if not request.is_finished:
             size = self.block_manager.block_size
             self.block_manager.free(request, num_kept_blocks=-(-request.num_computed_tokens // size))

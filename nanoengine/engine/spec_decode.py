@@ -23,7 +23,8 @@
 - Paying for themselves (``StepCost``, ``worth_drafting``): a decode step costs a + b * rows seconds,
   fitted over recent decode steps. Few rows read the weights at the same cost (b small, memory-bound);
   many rows make each draft cost its full share of the arithmetic (compute-bound). A request's j-th
-  draft is accepted with probability q^j, q its recent rate of accepting a draft after the one before.
+  draft is accepted with probability q^j, q its recent rate of accepting a draft after the one before
+  (a new request starts from the engine's recent rate over all requests).
   The step keeps drafts, likeliest first, while each adds more expected tokens per second than the
   step already yields, so a batch that is compute-bound drafts less, or not at all.
 """
@@ -71,20 +72,38 @@ def accepted_run(draft_ids: list[int], sampled_ids: list[int]) -> list[int]:
     return sampled_ids[:num_accepted + 1]
 
 
-class DraftLength:
-    """One request's adaptive draft length (see the module docstring)."""
+class AcceptanceRate:
+    """The chance that a draft is accepted given that the one before it was: decayed counts of drafts accepted
+    and of verifications that rejected one, starting from ``prior`` as if two verifications had shown it."""
 
-    def __init__(self, max_length: int):
+    def __init__(self, prior: float = 0.5, decay: float = 0.9):
+        self.decay = decay
+        self.accepted, self.rejected = 2 * prior, 2 * (1 - prior)
+
+    @property
+    def value(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.rejected = self.decay * self.rejected + (num_accepted < num_drafted)
+
+
+class DraftLength:
+    """One request's adaptive draft length (see the module docstring); ``prior``: the acceptance it starts
+    from, the engine's recent rate over all requests (a fixed 0.5 once kept a whole batch from ever drafting
+    where the step cost asked for 0.54)."""
+
+    def __init__(self, max_length: int, prior: float = 0.5):
         self.max_length = max_length
         self.length = max_length
         self.wait = 0  # steps to skip before the next probe, at length 0
         self.next_wait = 1
-        self.accepted, self.rejected = 1.0, 1.0  # decayed counts: drafts accepted, and steps that rejected one
+        self.rate = AcceptanceRate(prior)
 
     @property
     def acceptance(self) -> float:
-        """The chance that a draft is accepted, given that the one before it was."""
-        return self.accepted / (self.accepted + self.rejected)
+        return self.rate.value
 
     def allowed(self) -> int:
         """How many drafts this step may carry (called once per decode step)."""
@@ -94,8 +113,7 @@ class DraftLength:
         return 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
-        self.accepted = 0.9 * self.accepted + num_accepted
-        self.rejected = 0.9 * self.rejected + (num_accepted < num_drafted)
+        self.rate.update(num_drafted, num_accepted)
         if num_accepted == num_drafted:
             self.length = min(self.max_length, self.length + 1)
             self.next_wait = 1
