@@ -87,15 +87,18 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 def pack_steps(weight: torch.Tensor) -> torch.Tensor:
     """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's 64-byte loads in the order it
     reads them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32."""
-    step = 2 if weight.dtype == torch.bfloat16 else 1
+    step = inputs_per_step(weight.dtype)
     out_features, in_features = weight.shape
     return weight.detach().view(out_features // 16, 16, in_features // step, step).transpose(1, 2).contiguous()
 
 
+def inputs_per_step(dtype: torch.dtype) -> int:
+    return 2 if dtype == torch.bfloat16 else 1
+
+
 def can_pack_steps(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:
-    dtype = str(weight.dtype).removeprefix("torch.")
-    return (cpu_ops is not None and dtype in cpu_ops.linear_dtypes() and weight.shape[0] % 16 == 0
-            and weight.shape[1] % (2 if dtype == "bfloat16" else 1) == 0)
+    return (cpu_ops is not None and str(weight.dtype).removeprefix("torch.") in cpu_ops.linear_dtypes()
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % inputs_per_step(weight.dtype) == 0)
 
 
 def kernels_for(weight: torch.Tensor, cpu_ops: ModuleType | None = None) -> tuple[str, ...]:
