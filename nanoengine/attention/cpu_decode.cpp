@@ -101,17 +101,21 @@ inline __m512 dot16(const T* q, const __m512* q_wide, const T* k) {
   return sum;
 }
 
-// attend_group's contract for head sizes that are a multiple of 32, 16 keys at a time in AVX-512 registers: a
-// query head's 16 dot products are finished by one sum_each and scaled, the softmax runs on their 16 lanes,
-// and the V rows are widened to float32 once (into ``work``) for the whole group. ``work`` then holds, per
-// query head, the running max, the sums of p by lane and the output sum.
-template <typename T, int HEAD_DIM>
-void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                         int seq_len, int block_size, int64_t token_stride, int group, int, T* out, float* work) {
+// attend_group's contract for head sizes that are a multiple of 32, 16 keys at a time in AVX-512 registers, for
+// up to HEADS query heads of the group at once (those whose sums fit in 16 registers). For each query head, its
+// 16 dot products are finished by one sum_each and scaled, and the softmax runs on their 16 lanes; then each
+// V row is widened to float32 once, in a register, and added into every head's sum. ``heads`` <= HEADS.
+template <typename T, int HEAD_DIM, int HEADS>
+void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                  int seq_len, int block_size, int64_t token_stride, int heads, T* out) {
   constexpr int kVectors = HEAD_DIM / 16;
-  float *values = work, *m = values + 16 * HEAD_DIM, *l = m + group, *acc = l + 16 * group;
-  std::fill(m, m + group, kBelowEveryScore);
-  std::fill(l, l + 16 * group + group * HEAD_DIM, 0.f);
+  float m[HEADS];
+  __m512 l[HEADS], sum[HEADS][kVectors];  // per head: the sums of p by lane, and the output sum
+  for (int h = 0; h < HEADS; ++h) {
+    m[h] = kBelowEveryScore;
+    l[h] = _mm512_setzero_ps();
+    for (int c = 0; c < kVectors; ++c) sum[h][c] = _mm512_setzero_ps();
+  }
   const int64_t block_stride = block_size * token_stride;
   for (int start = 0, n = 0; start < seq_len; start += n) {  // runs of up to 16 keys, none across two blocks
     const int b = start / block_size, first = start % block_size;
@@ -121,45 +125,54 @@ void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_c
     if (first == 0 && start + block_size < seq_len)
       prefetch_block(k_cache + block_table[b + 1] * block_stride, v_cache + block_table[b + 1] * block_stride,
                      block_size, token_stride, HEAD_DIM * int(sizeof(T)));
-    for (int t = 0; t < n; ++t)  // rows past n are never read: they may hold anything, NaN included
-      for (int c = 0; c < kVectors; ++c)
-        _mm512_storeu_ps(values + t * HEAD_DIM + 16 * c, load16(v + t * token_stride + 16 * c));
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    for (int g = 0; g < group; ++g) {
-      const T* q_row = q + g * HEAD_DIM;
+    alignas(64) float p[HEADS][16];
+    for (int h = 0; h < heads; ++h) {
+      const T* q_row = q + h * HEAD_DIM;
       __m512 q_wide[kVectors], partial[16];
       for (int c = 0; c < kVectors; ++c) q_wide[c] = load16(q_row + 16 * c);
       if (n == 16) {  // the common case, unrolled without a test per key
         for (int t = 0; t < 16; ++t) partial[t] = dot16<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride);
-      } else {
+      } else {  // rows past n are never read: they may hold anything, NaN included
         for (int t = 0; t < 16; ++t)
           partial[t] = t < n ? dot16<T, HEAD_DIM>(q_row, q_wide, k + t * token_stride) : _mm512_setzero_ps();
       }
       const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(kBelowEveryScore),
                                                  _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
       const float block_max = _mm512_reduce_max_ps(scores);
-      __m512 sum[kVectors], l_g = _mm512_loadu_ps(l + 16 * g);
-      for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_loadu_ps(acc + g * HEAD_DIM + 16 * c);
-      if (block_max > m[g]) {  // a new max: what was summed so far shrinks by exp(old max - new max)
-        const __m512 rescale = exp16(_mm512_set1_ps(m[g] - block_max));  // about 0 on the first keys
-        for (int c = 0; c < kVectors; ++c) sum[c] = _mm512_mul_ps(sum[c], rescale);
-        l_g = _mm512_mul_ps(l_g, rescale);
-        m[g] = block_max;
+      if (block_max > m[h]) {  // a new max: what was summed so far shrinks by exp(old max - new max)
+        const __m512 rescale = exp16(_mm512_set1_ps(m[h] - block_max));  // about 0 on the first keys
+        for (int c = 0; c < kVectors; ++c) sum[h][c] = _mm512_mul_ps(sum[h][c], rescale);
+        l[h] = _mm512_mul_ps(l[h], rescale);
+        m[h] = block_max;
       }
-      alignas(64) float p[16];
-      const __m512 p_live = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[g]))));
-      _mm512_store_ps(p, p_live);
-      _mm512_storeu_ps(l + 16 * g, _mm512_add_ps(l_g, p_live));
-      for (int t = 0; t < n; ++t)
-        for (int c = 0; c < kVectors; ++c)
-          sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(values + t * HEAD_DIM + 16 * c), sum[c]);
-      for (int c = 0; c < kVectors; ++c) _mm512_storeu_ps(acc + g * HEAD_DIM + 16 * c, sum[c]);
+      const __m512 p_live = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[h]))));
+      _mm512_store_ps(p[h], p_live);
+      l[h] = _mm512_add_ps(l[h], p_live);
     }
+    for (int t = 0; t < n; ++t)
+      for (int c = 0; c < kVectors; ++c) {
+        const __m512 value = load16(v + t * token_stride + 16 * c);
+        for (int h = 0; h < HEADS; ++h)
+          if (h < heads) sum[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), value, sum[h][c]);
+      }
   }
-  for (int g = 0; g < group; ++g) {
-    const float total = _mm512_reduce_add_ps(_mm512_loadu_ps(l + 16 * g));
-    for (int d = 0; d < HEAD_DIM; ++d) out[g * HEAD_DIM + d] = T(acc[g * HEAD_DIM + d] / total);
+  for (int h = 0; h < heads; ++h) {
+    const float total = _mm512_reduce_add_ps(l[h]);
+    alignas(64) float row[HEAD_DIM];
+    for (int c = 0; c < kVectors; ++c) _mm512_store_ps(row + 16 * c, sum[h][c]);
+    for (int d = 0; d < HEAD_DIM; ++d) out[h * HEAD_DIM + d] = T(row[d] / total);
   }
+}
+
+// The whole group, HEADS query heads at a time.
+template <typename T, int HEAD_DIM>
+void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                         int seq_len, int block_size, int64_t token_stride, int group, int, T* out, float*) {
+  constexpr int kHeads = 16 / (HEAD_DIM / 16);
+  for (int h = 0; h < group; h += kHeads)
+    attend_heads<T, HEAD_DIM, kHeads>(q + h * HEAD_DIM, scale, k_cache, v_cache, block_table, seq_len, block_size,
+                                      token_stride, std::min(kHeads, group - h), out + h * HEAD_DIM);
 }
 #endif
 
@@ -184,9 +197,7 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   T* out_data = out.data_ptr<T>();
   // One task per (request, KV head): two threads stay busy even with a single request.
   at::parallel_for(0, rows.size(0) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int plain_need = group * head_dim + block_size + group * (2 + head_dim);  // attend_group's
-    const int avx512_need = 16 * head_dim + group * (17 + head_dim);                 // attend_group_avx512's
-    std::vector<float> work(std::max(plain_need, avx512_need));
+    std::vector<float> work(group * head_dim + block_size + group * (2 + head_dim));  // attend_group's
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t head = kv_head * group * head_dim;  // the group's first element in a row of q and out
