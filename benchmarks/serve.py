@@ -122,6 +122,7 @@ async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: 
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
         report.update({f"{name}_mean_ms": 1e3 * statistics.mean(values),
                        f"{name}_p50_ms": 1e3 * percentile(values, 50), f"{name}_p99_ms": 1e3 * percentile(values, 99)})
+    await client.close()  # in this event loop: closed later, by the collector, it fails with "Event loop is closed"
     return report
 
 
@@ -161,6 +162,7 @@ async def shared_system_prompt_twice(url: str) -> dict:
         report[f"shared_prompt_cache_hit_tokens_{attempt}"] = hits
     report["shared_prompt_ttft_first_over_second"] = (report["shared_prompt_ttft_ms_first"]
                                                       / report["shared_prompt_ttft_ms_second"])
+    await client.close()
     return report
 
 
