@@ -1,9 +1,10 @@
 // Decode attention on the CPU: one query row per request, attended straight from the paged KV cache.
 //
 // Gathering a request's K and V into one tensor and calling SDPA reads every byte three times (gather,
-// write, attend). Here each (request, KV head) walks its block table once: a block's K and V rows come
-// from memory once and are reused from L1 by every query head of the group, while the next block
-// (elsewhere in memory) is prefetched. Softmax is online, as in the Triton kernel: a running max ``m``
+// write, attend). Here each (request, KV head) walks its block table: a block's K and V rows come from
+// memory and are reused from L1 by the group's query heads (with AVX-512, by as many as their sums fit in 16
+// vectors: 4 at head size 64, 2 at 128; a larger group walks the table once per such chunk), while the next
+// block (elsewhere in memory) is prefetched. Softmax is online, as in the Triton kernel: a running max ``m``
 // and sum ``l`` per query head, the accumulator rescaled whenever the max grows. Everything is summed in
 // float32, whatever the cache's dtype. Built on first use by nanoengine/attention/cpu_backend.py.
 #include <ATen/Parallel.h>
@@ -101,10 +102,10 @@ inline __m512 dot16(const T* q, const __m512* q_wide, const T* k) {
   return sum;
 }
 
-// attend_group's contract for head sizes that are a multiple of 32, 16 keys at a time in AVX-512 registers, for
-// up to HEADS query heads of the group at once (those whose sums fit in 16 registers). For each query head, its
-// 16 dot products are finished by one sum_each and scaled, and the softmax runs on their 16 lanes; then each
-// V row is widened to float32 once, in a register, and added into every head's sum. ``heads`` <= HEADS.
+// ``heads`` (<= HEADS) query heads of one group over a request's context, 16 keys at a time in AVX-512
+// vectors, each head's output sum kept in HEADS x HEAD_DIM / 16 vector variables (16 at most) for the whole
+// context. For each query head, its 16 dot products are finished by one sum_each and scaled, and the softmax
+// runs on their 16 lanes; then each V row is widened to float32 once and added into every head's sum.
 template <typename T, int HEAD_DIM, int HEADS>
 void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
                   int seq_len, int block_size, int64_t token_stride, int heads, T* out) {
@@ -165,10 +166,12 @@ void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, c
   }
 }
 
-// The whole group, HEADS query heads at a time.
+// attend_group's contract for head sizes that are a multiple of 32 (up to 256): the group kHeads query heads
+// at a time, as many as attend_heads keeps in 16 vectors.
 template <typename T, int HEAD_DIM>
 void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
                          int seq_len, int block_size, int64_t token_stride, int group, int, T* out, float*) {
+  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "attend_heads keeps at least one head's sum in 16 vectors");
   constexpr int kHeads = 16 / (HEAD_DIM / 16);
   for (int h = 0; h < group; h += kHeads)
     attend_heads<T, HEAD_DIM, kHeads>(q + h * HEAD_DIM, scale, k_cache, v_cache, block_table, seq_len, block_size,

@@ -128,12 +128,12 @@ class ModelRunner:
                              "raise gpu_memory_utilization, or set num_kvcache_blocks")
         shape = (2, len(layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
         # zeros(), not empty(), on the CPU too (as vLLM does): every page of the cache is faulted in now, at
-        # start, and not on its first write in the middle of a step (up to 10 us a page on a VM, a tenth of a
-        # step's time), and a cache larger than the free memory fails here, not under load.
+        # start, not on its first write in the middle of a step (up to 10 us a page on a VM: up to a tenth of
+        # the cpu preset's time went there), and a cache larger than the free memory shows at start.
         start = time.perf_counter()
         self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        logger.info("KV cache: %d blocks, %.2f GiB, allocated in %.2f s", num_blocks,
-                    self.kv_cache.nbytes / 2**30, time.perf_counter() - start)
+        logger.info("KV cache: %d blocks, %.2f GiB%s", num_blocks, self.kv_cache.nbytes / 2**30,
+                    f", zeroed in {time.perf_counter() - start:.2f} s" if self.device.type == "cpu" else "")
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], self.backend
         if self.cpu_ops is not None:
