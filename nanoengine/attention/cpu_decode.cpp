@@ -179,6 +179,8 @@ void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_c
 }
 #endif
 
+constexpr int64_t kTaskOverhead = 16;  // a task's fixed cost, in keys
+
 template <typename T>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
@@ -198,10 +200,23 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
   T* out_data = out.data_ptr<T>();
-  // One task per (request, KV head): two threads stay busy even with a single request.
-  at::parallel_for(0, rows.size(0) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One task per (request, KV head), so that two threads stay busy even with a single request. Each thread
+  // takes a run of tasks of about the same cost (keys read), not the same count: a step's contexts differ
+  // by several times.
+  const int64_t num_tasks = rows.size(0) * num_kv_heads;
+  const int threads = int(std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> first_task(threads + 1, num_tasks);  // thread t takes [first_task[t], first_task[t + 1])
+  int64_t total = 0, before = 0;
+  for (int64_t i = 0; i < rows.size(0); ++i) total += (lens[i] + kTaskOverhead) * num_kv_heads;
+  first_task[0] = 0;
+  for (int64_t task = 0, t = 1; task < num_tasks; ++task) {
+    const int64_t cost = lens[task / num_kv_heads] + kTaskOverhead;
+    for (; t < threads && 2 * (before * threads) + cost * threads >= 2 * t * total; ++t) first_task[t] = task;
+    before += cost;  // a task goes to the thread whose share holds its midpoint
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(group * head_dim + block_size + group * (2 + head_dim));  // attend_group's
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = first_task[begin]; task < first_task[end]; ++task) {
       const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t head = kv_head * group * head_dim;  // the group's first element in a row of q and out
       attend(q_data + row_of[i] * q_token_stride + head, scale, k_data + kv_head * head_dim,
