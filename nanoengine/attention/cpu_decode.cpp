@@ -211,8 +211,9 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   first_task[0] = 0;
   for (int64_t task = 0, t = 1; task < num_tasks; ++task) {
     const int64_t cost = lens[task / num_kv_heads] + kTaskOverhead;
-    for (; t < threads && 2 * (before * threads) + cost * threads >= 2 * t * total; ++t) first_task[t] = task;
-    before += cost;  // a task goes to the thread whose share holds its midpoint
+    // A task goes to the thread whose share of the total holds its midpoint, before + cost / 2.
+    for (; t < threads && (2 * before + cost) * threads >= 2 * t * total; ++t) first_task[t] = task;
+    before += cost;
   }
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(group * head_dim + block_size + group * (2 + head_dim));  // attend_group's
