@@ -16,12 +16,14 @@ constexpr float kBelowEveryScore = -3.0e38f;
 
 // Asks for a KV block's rows of one head (``row_bytes`` each, ``token_stride`` elements apart) while the
 // block before it is being read: a block table scatters blocks over memory, where no prefetcher follows.
+// Into L2 (locality 2: prefetcht1), not L1: a prefetch into L1 holds one of L1's few miss buffers until its
+// line arrives, so a block's 64 lines queue; into L2 they are all in flight at once (1.4x on a Zen 4).
 template <typename T>
 inline void prefetch_block(const T* k, const T* v, int block_size, int64_t token_stride, int row_bytes) {
   for (int t = 0; t < block_size; ++t)
     for (int byte = 0; byte < row_bytes; byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k + t * token_stride) + byte);
-      __builtin_prefetch(reinterpret_cast<const char*>(v + t * token_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(k + t * token_stride) + byte, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(v + t * token_stride) + byte, 0, 2);
     }
 }
 
