@@ -70,7 +70,8 @@ void tile(const Operands<T>& op, int64_t row, int64_t block) {
   for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep;
   const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + row * op.steps;  // one int32 = one step of x
   for (int64_t s = 0; s < op.steps; ++s) {
-    for (int v = 0; v < V; ++v) __builtin_prefetch(streams[v] + (s + kPrefetchSteps) * kBlockStep);
+    for (int v = 0; v < V; ++v)  // into L2, as prefetch_block does
+      __builtin_prefetch(streams[v] + (s + kPrefetchSteps) * kBlockStep, 0, 2);
     for (int r = 0; r < R; ++r) {
       const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
       for (int v = 0; v < V; ++v)
