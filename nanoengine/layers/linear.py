@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -53,19 +54,17 @@ class KernelChoice:
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
 
 
-def row_bucket(rows: int) -> int:
-    return next((i for i, top in enumerate(ROW_BUCKETS[:-1]) if rows <= top), len(ROW_BUCKETS) - 1)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            choice: KernelChoice | None = None) -> torch.Tensor:
-    kernel = choice.used_at[row_bucket(x.shape[:-1].numel())] if choice is not None else "torch"
+    if choice is None:
+        return F.linear(x, weight, bias)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    kernel = choice.used_at[bisect_left(ROW_BUCKETS, rows.shape[0], hi=len(ROW_BUCKETS) - 1)]  # see ROW_BUCKETS
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
     if kernel == "avx512":
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-        choice.cpu_ops.linear(rows, choice.steps, bias, out)
+        choice.cpu_ops.linear(rows.contiguous(), choice.steps, bias, out)
         return out.view(*x.shape[:-1], weight.shape[0])
     if kernel == "float32":
         wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
@@ -255,6 +254,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
+        self.adds_bias, self.reduces = tp_rank() == 0, tp_size() > 1  # asked once: the group outlives the model
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is added once, after the sum
@@ -264,5 +264,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(linear(x, self.weight, bias, self.kernel_choice))
+        out = linear(x, self.weight, self.bias if self.adds_bias else None, self.kernel_choice)
+        return all_reduce(out) if self.reduces else out
