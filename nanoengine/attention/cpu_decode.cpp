@@ -259,6 +259,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 // The small per-layer ops, in nanoengine/layers/cpu_ops.cpp (one extension holds every CPU kernel).
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out);
+void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                  const at::Tensor& out);
 void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -276,6 +278,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, release);
   m.def("rms_norm", &rms_norm, release);
+  m.def("add_rms_norm", &add_rms_norm, release);
   m.def("silu_and_mul", &silu_and_mul, release);
   m.def("rotary", &rotary, release);
   m.def("store_kv", &store_kv, release);

@@ -46,26 +46,56 @@ void for_each_dtype(const at::Tensor& x, const char* name, const Fn& fn) {
 
 }  // namespace
 
+namespace {
+template <typename T>
+void normalize_row(const T* row, const T* weight, int64_t dim, float eps, T* out) {
+  float squares = 0.f;
+  for (int64_t d = 0; d < dim; ++d) squares += float(row[d]) * float(row[d]);
+  const float inverse_rms = 1.f / std::sqrt(squares / float(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d) out[d] = T(float(weight[d]) * rounded<T>(float(row[d]) * inverse_rms));
+}
+
+void check_norm(const char* name, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && weight.is_contiguous() &&
+              weight.numel() == x.size(-1) && weight.scalar_type() == x.scalar_type() &&
+              out.scalar_type() == x.scalar_type(), name, ": out contiguous and of x's shape, weight [dim], one dtype");
+}
+}  // namespace
+
 // out = weight * T(x / sqrt(mean(x^2) + eps)), the normalization in float32 (layers/norm.py).
 // x: [rows, dim] or [tokens, heads, dim]; out: contiguous, of x's shape.
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
   const Rows rows = rows_of(x);
   const int64_t dim = x.size(-1), num_rows = x.numel() / dim;
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && weight.is_contiguous() && weight.numel() == dim &&
-              weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
-              "rms_norm: out contiguous and of x's shape, weight [dim], one dtype");
+  check_norm("rms_norm", x, weight, out);
   for_each_dtype(x, "rms_norm", [&](auto element) {
     using T = decltype(element);
     const T *x_data = x.data_ptr<T>(), *w = weight.data_ptr<T>();
     T* out_data = out.data_ptr<T>();
     at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) normalize_row(x_data + rows.offset(r), w, dim, float(eps), out_data + r * dim);
+    });
+  });
+}
+
+// The residual stream's add and the norm after it in one pass: residual = T(residual + x) in place, then
+// out = rms_norm(residual). x, residual, out: contiguous [rows, dim].
+void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                  const at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
+              residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: contiguous CPU x and residual [rows, dim], one dtype");
+  check_norm("add_rms_norm", x, weight, out);
+  const int64_t dim = x.size(1);
+  for_each_dtype(x, "add_rms_norm", [&](auto element) {
+    using T = decltype(element);
+    const T *x_data = x.data_ptr<T>(), *w = weight.data_ptr<T>();
+    T *sum = residual.data_ptr<T>(), *out_data = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const T* row = x_data + rows.offset(r);
-        T* o = out_data + r * dim;
-        float squares = 0.f;
-        for (int64_t d = 0; d < dim; ++d) squares += float(row[d]) * float(row[d]);
-        const float inverse_rms = 1.f / std::sqrt(squares / float(dim) + float(eps));
-        for (int64_t d = 0; d < dim; ++d) o[d] = T(float(w[d]) * rounded<T>(float(row[d]) * inverse_rms));
+        T* row = sum + r * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = T(float(row[d]) + float(x_data[r * dim + d]));
+        normalize_row(row, w, dim, float(eps), out_data + r * dim);
       }
     });
   });
