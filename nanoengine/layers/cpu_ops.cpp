@@ -44,9 +44,6 @@ void for_each_dtype(const at::Tensor& x, const char* name, const Fn& fn) {
   }
 }
 
-}  // namespace
-
-namespace {
 template <typename T>
 void normalize_row(const T* row, const T* weight, int64_t dim, float eps, T* out) {
   float squares = 0.f;
@@ -60,6 +57,7 @@ void check_norm(const char* name, const at::Tensor& x, const at::Tensor& weight,
               weight.numel() == x.size(-1) && weight.scalar_type() == x.scalar_type() &&
               out.scalar_type() == x.scalar_type(), name, ": out contiguous and of x's shape, weight [dim], one dtype");
 }
+
 }  // namespace
 
 // out = weight * T(x / sqrt(mean(x^2) + eps)), the normalization in float32 (layers/norm.py).
@@ -73,7 +71,8 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const a
     const T *x_data = x.data_ptr<T>(), *w = weight.data_ptr<T>();
     T* out_data = out.data_ptr<T>();
     at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) normalize_row(x_data + rows.offset(r), w, dim, float(eps), out_data + r * dim);
+      for (int64_t r = begin; r < end; ++r)
+        normalize_row(x_data + rows.offset(r), w, dim, float(eps), out_data + r * dim);
     });
   });
 }

@@ -59,7 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if choice is None:
         return F.linear(x, weight, bias)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    kernel = choice.used_at[bisect_left(ROW_BUCKETS, rows.shape[0], hi=len(ROW_BUCKETS) - 1)]  # see ROW_BUCKETS
+    kernel = choice.used_at[bisect_left(ROW_BUCKETS, rows.shape[0], hi=len(ROW_BUCKETS) - 1)]
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
     if kernel == "avx512":
