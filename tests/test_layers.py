@@ -101,6 +101,16 @@ def test_an_older_cache_entry_is_timed_again(monkeypatch, tmp_path):
     assert model.first.kernel_choice.used_at == model.second.kernel_choice.used_at == ("onednn",) * 4
 
 
+def test_a_changed_kernel_is_timed_again(monkeypatch, tmp_path):
+    """The cached choices are keyed by our kernel's code too: an edited kernel does not inherit the old one's."""
+    before = linear_module.machine_key()
+    assert linear_module.machine_key() == before
+    edited = tmp_path / "cpu_linear.cpp"
+    edited.write_bytes(b"".join(path.read_bytes() for path in linear_module.KERNEL_CODE) + b"// edited\n")
+    monkeypatch.setattr(linear_module, "KERNEL_CODE", [edited])
+    assert linear_module.machine_key() != before
+
+
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="kernel"):
         choose_linear_kernels(TwoLinears(torch.float32), "mkl")

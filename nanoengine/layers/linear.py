@@ -6,12 +6,14 @@ partial results with an all-reduce. Each parameter carries a ``weight_loader``
 that cuts its own shard out of a full checkpoint tensor.
 """
 
+import hashlib
 import json
 import logging
 import os
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -41,6 +43,7 @@ ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows take
 # F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
 KERNELS = ("torch", "onednn", "float32", "avx512")
 CHOICES = ("auto", *KERNELS)
+KERNEL_CODE = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_simd.h")]  # our kernel's
 
 
 @dataclass
@@ -159,8 +162,11 @@ def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | Non
 
 
 def machine_key() -> str:
-    """What the cached choices hold for: the CPU, torch, its threads and the kernels there were to choose from."""
-    return f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads; {'/'.join(KERNELS)}"
+    """What the cached choices hold for: the CPU, torch, its threads, the kernels there were to choose from and
+    our kernel's code (a changed kernel is timed again)."""
+    code = hashlib.sha1(b"".join(path.read_bytes() for path in KERNEL_CODE)).hexdigest()[:12]
+    return (f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads; {'/'.join(KERNELS)}; "
+            f"cpu_linear.cpp {code}")
 
 
 def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, rounds: int = 5) -> list[str]:
