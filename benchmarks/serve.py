@@ -96,7 +96,24 @@ async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: 
     (all at once when inf), at most ``max_concurrency`` in flight."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    # Closed in this event loop, even when a request fails (closed later, by the collector, it fails with
+    # "Event loop is closed").
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        results, seconds = await send_load(client, workload, rate, max_concurrency, seed)
+    ttfts, itls = [r[0] for r in results], [gap for r in results for gap in r[1]]
+    tpots = [(r[2] - r[0]) / (r[3] - 1) for r in results if r[3] > 1]
+    report = {"num_requests": len(results), "request_rate": rate, "seconds": seconds,
+              "request_throughput": len(results) / seconds,
+              "output_token_throughput": sum(r[3] for r in results) / seconds}
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
+        report.update({f"{name}_mean_ms": 1e3 * statistics.mean(values),
+                       f"{name}_p50_ms": 1e3 * percentile(values, 50), f"{name}_p99_ms": 1e3 * percentile(values, 99)})
+    return report
+
+
+async def send_load(client, workload: Workload, rate: float, max_concurrency: int | None,
+                    seed: int) -> tuple[list[tuple[float, list[float], float, int]], float]:
+    """The workload's requests at their arrival times: each one's stream_one figures, and the seconds taken."""
     model = (await client.models.list()).data[0].id
     prompts, params = make_requests(workload, seed)
     await stream_one(client, model, [seed + 1] * 16, 4)  # warm-up
@@ -113,17 +130,7 @@ async def run_serve(url: str, workload: Workload, rate: float, max_concurrency: 
         tasks.append(asyncio.create_task(limited(prompt, p.max_tokens)))
         await asyncio.sleep(arrivals.expovariate(rate) if rate != float("inf") else 0)
     results = await asyncio.gather(*tasks)
-    seconds = time.perf_counter() - start
-    ttfts, itls = [r[0] for r in results], [gap for r in results for gap in r[1]]
-    tpots = [(r[2] - r[0]) / (r[3] - 1) for r in results if r[3] > 1]
-    report = {"num_requests": len(prompts), "request_rate": rate, "seconds": seconds,
-              "request_throughput": len(prompts) / seconds,
-              "output_token_throughput": sum(r[3] for r in results) / seconds}
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
-        report.update({f"{name}_mean_ms": 1e3 * statistics.mean(values),
-                       f"{name}_p50_ms": 1e3 * percentile(values, 50), f"{name}_p99_ms": 1e3 * percentile(values, 99)})
-    await client.close()  # in this event loop: closed later, by the collector, it fails with "Event loop is closed"
-    return report
+    return results, time.perf_counter() - start
 
 
 async def stream_one(client, model: str | None, prompt: list[int] | str, max_tokens: int,
@@ -150,19 +157,18 @@ async def shared_system_prompt_twice(url: str) -> dict:
     import httpx
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    model = (await client.models.list()).data[0].id
     system = " ".join(f"Rule {i}: answer in plain words and cite the rule number." for i in range(120))
     report = {}
-    for attempt in ("first", "second"):
-        hits_before = prefix_cache_hits(httpx.get(f"{url}/metrics").text)
-        ttft, *_ = await stream_one(client, model, f"{system}\nQuestion: what is rule 7?\nAnswer:", 1)
-        report[f"shared_prompt_ttft_ms_{attempt}"] = 1e3 * ttft
-        hits = prefix_cache_hits(httpx.get(f"{url}/metrics").text) - hits_before
-        report[f"shared_prompt_cache_hit_tokens_{attempt}"] = hits
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:  # as run_serve's
+        model = (await client.models.list()).data[0].id
+        for attempt in ("first", "second"):
+            hits_before = prefix_cache_hits(httpx.get(f"{url}/metrics").text)
+            ttft, *_ = await stream_one(client, model, f"{system}\nQuestion: what is rule 7?\nAnswer:", 1)
+            report[f"shared_prompt_ttft_ms_{attempt}"] = 1e3 * ttft
+            hits = prefix_cache_hits(httpx.get(f"{url}/metrics").text) - hits_before
+            report[f"shared_prompt_cache_hit_tokens_{attempt}"] = hits
     report["shared_prompt_ttft_first_over_second"] = (report["shared_prompt_ttft_ms_first"]
                                                       / report["shared_prompt_ttft_ms_second"])
-    await client.close()
     return report
 
 
