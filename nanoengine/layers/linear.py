@@ -260,7 +260,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
-        self.adds_bias, self.reduces = tp_rank() == 0, tp_size() > 1  # asked once: the group outlives the model
+        self.adds_bias = tp_rank() == 0  # asked once: the group outlives the model
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is added once, after the sum
@@ -270,5 +270,4 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias if self.adds_bias else None, self.kernel_choice)
-        return all_reduce(out) if self.reduces else out
+        return all_reduce(linear(x, self.weight, self.bias if self.adds_bias else None, self.kernel_choice))
