@@ -134,6 +134,11 @@ def test_max_num_batched_tokens_must_cover_max_num_seqs(folder):
     assert EngineConfig(folder, max_num_batched_tokens=8).max_num_seqs == 8  # the default shrinks, as vLLM
 
 
+def test_the_step_budget_defaults_to_vllms_for_its_device(folder):
+    assert EngineConfig(folder, device="cpu").max_num_batched_tokens == 4096
+    assert EngineConfig(folder, device="cpu", max_num_batched_tokens=8192).max_num_batched_tokens == 8192
+
+
 # n > 1 -----------------------------------------------------------------------------------------------------
 
 

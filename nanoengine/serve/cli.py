@@ -24,7 +24,7 @@ import torch
 import uvicorn
 
 from nanoengine import prefix_report
-from nanoengine.config import EngineConfig
+from nanoengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from nanoengine.distributed import env_rank
 from nanoengine.engine.worker import run_node
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
@@ -46,7 +46,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + option.name.replace("_", "-")
         default = None if option.default is MISSING else option.default
         if option.name in SERVER_CPU_DEFAULTS:
-            default = f"{SERVER_CPU_DEFAULTS[option.name]} on the CPU, as vLLM's server; else {default or 256}"
+            elsewhere = (DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"] if option.name == "max_num_batched_tokens"
+                         else DEFAULT_MAX_NUM_SEQS)
+            default = f"{SERVER_CPU_DEFAULTS[option.name]} on the CPU, as vLLM's server; else {elsewhere}"
         extra = ({"action": argparse.BooleanOptionalAction} if kind is bool
                  else {"type": json.loads, "metavar": "JSON"} if kind is dict else {"type": kind})
         parser.add_argument(flag, default=argparse.SUPPRESS, help=f"LLM option (default: {default})", **extra)
