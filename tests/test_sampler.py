@@ -13,7 +13,6 @@ from nanoengine.layers.sampler import (
     TOP_P_PART,
     SamplingTensors,
     apply_penalties,
-    exponential_noise,
     sample,
     top_k_top_p,
     top_k_top_p_from_top_part,
@@ -35,23 +34,37 @@ def kept(probs: list[float], **filters) -> set[int]:
     return set(torch.isfinite(truncate(logits, tensors(**filters))[0]).nonzero().flatten().tolist())
 
 
-def test_the_noise_is_exponential_and_never_zero():
-    noise = exponential_noise(torch.empty(200_000), torch.Generator().manual_seed(0))
-    assert noise.min() > 0
-    # Kolmogorov-Smirnov against Exp(1)'s CDF: at 200k draws the 1% critical distance is 1.63 / sqrt(n) = 0.0036.
-    ordered = noise.double().sort().values
-    cdf = 1 - torch.exp(-ordered)
-    n = len(ordered)
-    distance = torch.maximum(torch.arange(1, n + 1) / n - cdf, cdf - torch.arange(n) / n).max()
-    assert distance < 0.0036, distance
+def params_for(rows: int, generators=None) -> SamplingTensors:
+    return SamplingTensors(torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows), torch.zeros(rows),
+                           generators or [None] * rows, all_greedy=False, any_top_k_or_p=False, any_min_p=False)
 
 
-def test_a_token_with_probability_zero_never_wins_even_at_zero_noise(monkeypatch):
-    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, generator=None: self.fill_(0.0))
-    logits = torch.tensor([[0.0, float("-inf"), 0.0]])
-    params = SamplingTensors(torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.0]), [None],
-                             all_greedy=False, any_top_k_or_p=False, any_min_p=False)
-    assert sample(logits, params, torch.Generator()).item() != 1
+def test_samples_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    rows = 100_000
+    tokens = sample(probs.log().expand(rows, -1), params_for(rows), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=5).double()
+    assert counts[1] == 0
+    # Pearson's chi-square over the four possible tokens: its 0.1% critical value at 3 degrees of freedom is 16.3.
+    expected = rows * probs.double()
+    live = expected > 0
+    assert ((counts[live] - expected[live]) ** 2 / expected[live]).sum() < 16.3
+
+
+@pytest.mark.parametrize("draw", [0.0, 1 - 2**-24])  # the lowest and highest uniform torch.rand returns
+def test_a_token_with_probability_zero_is_never_picked_at_the_ends_of_the_draw(draw, monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda size, **_: torch.full((size,) if isinstance(size, int) else size, draw))
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0, float("-inf")]])
+    assert sample(logits, params_for(1), torch.Generator()).item() == (1 if draw == 0 else 3)
+
+
+def test_a_seeded_row_draws_from_its_own_generator():
+    logits = torch.zeros(3, 1000)
+    def seeded():
+        return [None, torch.Generator().manual_seed(7), None]
+    first = sample(logits, params_for(3, seeded()), torch.Generator().manual_seed(0))
+    second = sample(logits, params_for(3, seeded()), torch.Generator().manual_seed(1))
+    assert first[1] == second[1] and (first[0] != second[0] or first[2] != second[2])
 
 
 def top_k_cases(seed: int, every_row_has_k: bool = False, rows: int = 12, vocab: int = 4096):

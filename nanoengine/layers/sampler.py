@@ -12,9 +12,10 @@
   token, it drops tokens while their cumulative mass is at most ``1 - top_p``.
   The most likely token always stays.
 
-Sampling draws ``argmax(probs / noise)`` with exponential noise, which picks
-token i with probability ``probs[i]``. A seeded request draws its noise row
-from its own generator, so its tokens do not depend on the rest of the batch.
+Sampling inverts each row's cumulative distribution at one uniform draw, which picks token i with
+probability ``probs[i]``: one draw a row, where the exponential race (``argmax(probs / noise)``) takes
+one a token, 49k a row, which on a CPU cost 6.3 ms of a 32-request step against 0.8 ms. A seeded request
+draws its uniform from its own generator, so its tokens do not depend on the rest of the batch.
 """
 
 from dataclasses import dataclass
@@ -42,21 +43,22 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator)
         return greedy
     temperatures = torch.where(t.temperatures > 0, t.temperatures, 1.0)
     probs = torch.softmax(truncate(logits / temperatures.unsqueeze(1), t), dim=-1)
-    noise = exponential_noise(probs, generator)
+    uniform = torch.rand(probs.shape[0], generator=generator, device=probs.device)
     for row, row_generator in enumerate(t.generators):
         if row_generator is not None:
-            noise[row] = exponential_noise(torch.empty(probs.shape[1]), row_generator).to(probs.device)
-    sampled = (probs / noise).argmax(dim=-1)
+            uniform[row] = torch.rand(1, generator=row_generator).item()
+    sampled = invert_cdf(probs, uniform)
     return torch.where(t.temperatures > 0, sampled, greedy)
 
 
-def exponential_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Exp(1) draws of ``like``'s shape: -log(1 - u) for uniform u in [0, 1). On the CPU, torch's
-    ``exponential_`` takes five times as long (7.4 ms against 1.9 ms for 8 rows of a 49k vocabulary, a
-    fifth of a decode step). A draw of 0 becomes the smallest normal float, so that a token whose
-    probability is 0 still never wins (0 / 0 would be NaN, and argmax picks NaN)."""
-    uniform = torch.empty_like(like).uniform_(generator=generator)
-    return uniform.neg_().log1p_().neg_().clamp_min_(torch.finfo(like.dtype).tiny)
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability passes ``uniform`` (in [0, 1)) times the row's
+    total: token i for a draw in [cdf[i - 1], cdf[i]), so a token of probability 0 is never picked. The
+    draw stays below the total, which a draw just under 1 could round up to."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(1)
 
 
 def truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
