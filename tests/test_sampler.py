@@ -34,15 +34,10 @@ def kept(probs: list[float], **filters) -> set[int]:
     return set(torch.isfinite(truncate(logits, tensors(**filters))[0]).nonzero().flatten().tolist())
 
 
-def params_for(rows: int, generators=None) -> SamplingTensors:
-    return SamplingTensors(torch.ones(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows), torch.zeros(rows),
-                           generators or [None] * rows, all_greedy=False, any_top_k_or_p=False, any_min_p=False)
-
-
 def test_samples_follow_the_distribution():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
     rows = 100_000
-    tokens = sample(probs.log().expand(rows, -1), params_for(rows), torch.Generator().manual_seed(0))
+    tokens = sample(probs.log().expand(rows, -1), tensors(rows), torch.Generator().manual_seed(0))
     counts = torch.bincount(tokens, minlength=5).double()
     assert counts[1] == 0
     # Pearson's chi-square over the four possible tokens: its 0.1% critical value at 3 degrees of freedom is 16.3.
@@ -55,15 +50,17 @@ def test_samples_follow_the_distribution():
 def test_a_token_with_probability_zero_is_never_picked_at_the_ends_of_the_draw(draw, monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda size, **_: torch.full((size,) if isinstance(size, int) else size, draw))
     logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0, float("-inf")]])
-    assert sample(logits, params_for(1), torch.Generator()).item() == (1 if draw == 0 else 3)
+    assert sample(logits, tensors(), torch.Generator()).item() == (1 if draw == 0 else 3)
 
 
 def test_a_seeded_row_draws_from_its_own_generator():
     logits = torch.zeros(3, 1000)
-    def seeded():
-        return [None, torch.Generator().manual_seed(7), None]
-    first = sample(logits, params_for(3, seeded()), torch.Generator().manual_seed(0))
-    second = sample(logits, params_for(3, seeded()), torch.Generator().manual_seed(1))
+    draws = []
+    for batch_seed in (0, 1):
+        params = tensors(3)
+        params.generators = [None, torch.Generator().manual_seed(7), None]
+        draws.append(sample(logits, params, torch.Generator().manual_seed(batch_seed)))
+    first, second = draws
     assert first[1] == second[1] and (first[0] != second[0] or first[2] != second[2])
 
 
