@@ -41,3 +41,19 @@ def test_large_tensors_reuse_freed_pages():
     # freed block below from joining the heap's top. So the setting is judged on the best of five processes,
     # and it must spare at least four of the six tensors their faults.
     assert min(steady_state_faults("keep") for _ in range(5)) <= 2 * TENSOR_PAGES
+
+
+def test_a_cpu_engine_runs_a_full_step_at_start_and_writes_no_cache(folder, monkeypatch):
+    """The engine's largest step runs once at start, so its activations fault into the heap then, not in the first
+    request's step; its cache writes are discarded."""
+    from nanoengine import LLM
+    from nanoengine.engine.model_runner import ModelRunner
+
+    sizes = []
+    run_dummy_step = ModelRunner.run_dummy_step
+    monkeypatch.setattr(ModelRunner, "run_dummy_step",
+                        lambda runner, num_tokens: sizes.append(num_tokens) or run_dummy_step(runner, num_tokens))
+    with LLM(folder, max_model_len=128, num_kvcache_blocks=16, max_num_batched_tokens=300) as llm:
+        runner = llm.llm_engine.model_executor.runner
+        assert sizes == [300]
+        assert runner.kv_cache.count_nonzero() == 0

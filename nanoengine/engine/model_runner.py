@@ -98,6 +98,8 @@ class ModelRunner:
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        if self.device.type == "cpu":  # a full step's activations fault into the heap now, not in the first big step
+            self.run_dummy_step(config.max_num_batched_tokens)
         self.decode_graphs = capture_decode_graphs(self.model, config, self.device)
 
     def build_model(self) -> torch.nn.Module:
@@ -160,7 +162,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_dummy_step(self, num_tokens: int) -> None:
-        """One forward pass over ``num_tokens`` tokens of fresh sequences, with writes to the cache discarded."""
+        """One forward pass over ``num_tokens`` tokens of fresh sequences, with writes to the cache discarded
+        (their block tables point at block 0, read and never written)."""
         seq_len = min(num_tokens, self.config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
@@ -174,10 +177,11 @@ class ModelRunner:
             block_tables=torch.zeros((num_seqs, -(-seq_len // self.block_size)), dtype=torch.int32,
                                      device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens)
-        for layer in self.attention_layers():  # no cache yet: every block table points at one block of zeros
-            layer.k_cache = layer.v_cache = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                                        dtype=self.config.torch_dtype, device=self.device)
-            layer.backend = self.backend
+        for layer in self.attention_layers():
+            if not layer.k_cache.numel():  # no cache yet: every block table points at one block of zeros
+                layer.k_cache = layer.v_cache = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                                            dtype=self.config.torch_dtype, device=self.device)
+                layer.backend = self.backend
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self.model(input_ids, torch.zeros_like(input_ids), meta)
 
