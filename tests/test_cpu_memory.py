@@ -44,16 +44,19 @@ def test_large_tensors_reuse_freed_pages():
 
 
 def test_a_cpu_engine_runs_a_full_step_at_start_and_writes_no_cache(folder, monkeypatch):
-    """The engine's largest step runs once at start, so its activations fault into the heap then, not in the first
-    request's step; its cache writes are discarded."""
+    """A step of the full token budget runs once at start, through one decoder layer (whose temporaries the
+    others reuse), so that its memory faults into the heap then and not in the first request's step; its
+    cache writes are discarded and every layer is back in the model afterwards."""
     from nanoengine import LLM
     from nanoengine.engine.model_runner import ModelRunner
 
     sizes = []
     run_dummy_step = ModelRunner.run_dummy_step
     monkeypatch.setattr(ModelRunner, "run_dummy_step",
-                        lambda runner, num_tokens: sizes.append(num_tokens) or run_dummy_step(runner, num_tokens))
+                        lambda runner, num_tokens, num_layers=None: sizes.append((num_tokens, num_layers))
+                        or run_dummy_step(runner, num_tokens, num_layers))
     with LLM(folder, max_model_len=128, num_kvcache_blocks=16, max_num_batched_tokens=300) as llm:
         runner = llm.llm_engine.model_executor.runner
-        assert sizes == [300]
+        assert sizes == [(300, 1)]
         assert runner.kv_cache.count_nonzero() == 0
+        assert len(runner.model.model.layers) == runner.config.hf_config.num_hidden_layers > 1

@@ -98,8 +98,8 @@ class ModelRunner:
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        if self.device.type == "cpu":  # a full step's activations fault into the heap now, not in the first big step
-            self.run_dummy_step(config.max_num_batched_tokens)
+        if self.device.type == "cpu":  # a full step's memory faults into the kept heap now, not in the first big step
+            self.run_dummy_step(config.max_num_batched_tokens, num_layers=1)
         self.decode_graphs = capture_decode_graphs(self.model, config, self.device)
 
     def build_model(self) -> torch.nn.Module:
@@ -161,9 +161,11 @@ class ModelRunner:
         return int(budget - torch.cuda.max_memory_allocated(self.device))
 
     @torch.inference_mode()
-    def run_dummy_step(self, num_tokens: int) -> None:
+    def run_dummy_step(self, num_tokens: int, num_layers: int | None = None) -> None:
         """One forward pass over ``num_tokens`` tokens of fresh sequences, with writes to the cache discarded
-        (their block tables point at block 0, read and never written)."""
+        (their block tables point at block 0, read and never written), through the first ``num_layers``
+        decoder layers (all by default), then the logits of as many rows as a step samples at most. Each
+        layer frees its temporaries before the next one runs, so one layer comes close to a step's peak."""
         seq_len = min(num_tokens, self.config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
@@ -183,7 +185,16 @@ class ModelRunner:
                                                             dtype=self.config.torch_dtype, device=self.device)
                 layer.backend = self.backend
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        self.model(input_ids, torch.zeros_like(input_ids), meta)
+        decoder = self.model.model
+        all_layers = decoder.layers
+        decoder.layers = all_layers[:num_layers]
+        try:
+            hidden = self.model(input_ids, torch.zeros_like(input_ids), meta)
+        finally:
+            decoder.layers = all_layers
+        logits = self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)])
+        if logits is not None:  # on rank 0
+            logits.float()  # as sample_step takes them
 
     def close(self) -> None:
         for layer in self.attention_layers():
