@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="only glibc's allocator can be asked")
-
 # Allocate and free a 256 MB tensor three times to reach a steady state (the heap's first growth may land
 # elsewhere), then six more times; print the page faults of those last six.
 SCRIPT = """
@@ -33,6 +31,7 @@ def steady_state_faults(mode: str) -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="only glibc's allocator can be asked")
 def test_large_tensors_reuse_freed_pages():
     assert steady_state_faults("default") > PAGES // 2  # glibc maps fresh pages each time: a fault per page
     # Kept memory is not always reused at once. In some processes the first of the measured tensors still
@@ -45,8 +44,8 @@ def test_large_tensors_reuse_freed_pages():
 
 def test_a_cpu_engine_runs_a_full_step_at_start_and_writes_no_cache(folder, monkeypatch):
     """A step of the full token budget runs once at start, through one decoder layer (whose temporaries the
-    others reuse), so that its memory faults into the heap then and not in the first request's step; its
-    cache writes are discarded and every layer is back in the model afterwards."""
+    others reuse), so that its memory faults into the heap then and not in the first request's step. It writes
+    nothing to the cache, and every layer is back in the model afterwards."""
     from nanoengine import LLM
     from nanoengine.engine.model_runner import ModelRunner
 

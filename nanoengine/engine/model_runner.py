@@ -98,7 +98,9 @@ class ModelRunner:
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        if self.device.type == "cpu":  # a full step's memory faults into the kept heap now, not in the first big step
+        if self.device.type == "cpu" and self.cpu_ops is not None:
+            # A full-budget step (one layer, then the logits) faults its memory into the kept heap now, not in the
+            # first large step.
             self.run_dummy_step(config.max_num_batched_tokens, num_layers=1)
         self.decode_graphs = capture_decode_graphs(self.model, config, self.device)
 
@@ -164,8 +166,8 @@ class ModelRunner:
     def run_dummy_step(self, num_tokens: int, num_layers: int | None = None) -> None:
         """One forward pass over ``num_tokens`` tokens of fresh sequences, with writes to the cache discarded
         (their block tables point at block 0, read and never written), through the first ``num_layers``
-        decoder layers (all by default), then the logits of as many rows as a step samples at most. Each
-        layer frees its temporaries before the next one runs, so one layer comes close to a step's peak."""
+        decoder layers (all by default), then the logits of ``max_num_seqs`` rows (a token each). Each layer
+        frees its temporaries before the next one runs, so one layer comes close to a step's peak."""
         seq_len = min(num_tokens, self.config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
