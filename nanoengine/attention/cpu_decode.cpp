@@ -11,10 +11,12 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../layers/cpu_simd.h"
@@ -102,13 +104,14 @@ inline __m512 dot16(const T* q, const __m512* q_wide, const T* k) {
   return sum;
 }
 
-// ``heads`` (<= HEADS) query heads of one group over a request's context, 16 keys at a time in AVX-512
-// vectors, each head's output sum kept in HEADS x HEAD_DIM / 16 vector variables (16 at most) for the whole
-// context. For each query head, its 16 dot products are finished by one sum_each and scaled, and the softmax
-// runs on their 16 lanes; then each V row is widened to float32 once and added into every head's sum.
+// HEADS query heads of one group over a request's context, 16 keys at a time in AVX-512 vectors, each head's
+// output sum kept in HEADS x HEAD_DIM / 16 vector variables (16 at most) for the whole context. For each query
+// head, its 16 dot products are finished by one sum_each and scaled, and the softmax runs on their 16 lanes;
+// then each V row is widened to float32 once and added into every head's sum. HEADS is the exact count (a
+// test per head in the loop over V rows cost 15% at 3 heads), so a group is cut into calls of different HEADS.
 template <typename T, int HEAD_DIM, int HEADS>
 void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                  int seq_len, int block_size, int64_t token_stride, int heads, T* out) {
+                  int seq_len, int block_size, int64_t token_stride, T* out) {
   constexpr int kVectors = HEAD_DIM / 16;
   float m[HEADS];
   __m512 l[HEADS], sum[HEADS][kVectors];  // per head: the sums of p by lane, and the output sum
@@ -128,7 +131,7 @@ void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, c
                      block_size, token_stride, HEAD_DIM * int(sizeof(T)));
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     alignas(64) float p[HEADS][16];
-    for (int h = 0; h < heads; ++h) {
+    for (int h = 0; h < HEADS; ++h) {
       const T* q_row = q + h * HEAD_DIM;
       __m512 q_wide[kVectors], partial[16];
       for (int c = 0; c < kVectors; ++c) q_wide[c] = load16(q_row + 16 * c);
@@ -154,11 +157,10 @@ void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, c
     for (int t = 0; t < n; ++t)
       for (int c = 0; c < kVectors; ++c) {
         const __m512 value = load16(v + t * token_stride + 16 * c);
-        for (int h = 0; h < HEADS; ++h)
-          if (h < heads) sum[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), value, sum[h][c]);
+        for (int h = 0; h < HEADS; ++h) sum[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), value, sum[h][c]);
       }
   }
-  for (int h = 0; h < heads; ++h) {
+  for (int h = 0; h < HEADS; ++h) {
     const float total = _mm512_reduce_add_ps(l[h]);
     alignas(64) float row[HEAD_DIM];
     for (int c = 0; c < kVectors; ++c) _mm512_store_ps(row + 16 * c, sum[h][c]);
@@ -166,16 +168,23 @@ void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, c
   }
 }
 
+// attend_heads for 1, 2, ..., sizeof...(H) heads.
+template <typename T, int HEAD_DIM, int... H>
+constexpr auto attend_heads_by_count(std::integer_sequence<int, H...>) {
+  return std::array{&attend_heads<T, HEAD_DIM, H + 1>...};
+}
+
 // attend_group's contract for head sizes that are a multiple of 32 (up to 256): the group kHeads query heads
-// at a time, as many as attend_heads keeps in 16 vectors.
+// at a time, as many as attend_heads keeps in 16 vectors, and the rest in one call.
 template <typename T, int HEAD_DIM>
 void attend_group_avx512(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
                          int seq_len, int block_size, int64_t token_stride, int group, int, T* out, float*) {
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "attend_heads keeps at least one head's sum in 16 vectors");
   constexpr int kHeads = 16 / (HEAD_DIM / 16);
+  constexpr auto attend = attend_heads_by_count<T, HEAD_DIM>(std::make_integer_sequence<int, kHeads>());
   for (int h = 0; h < group; h += kHeads)
-    attend_heads<T, HEAD_DIM, kHeads>(q + h * HEAD_DIM, scale, k_cache, v_cache, block_table, seq_len, block_size,
-                                      token_stride, std::min(kHeads, group - h), out + h * HEAD_DIM);
+    attend[std::min(kHeads, group - h) - 1](q + h * HEAD_DIM, scale, k_cache, v_cache, block_table, seq_len,
+                                            block_size, token_stride, out + h * HEAD_DIM);
 }
 #endif
 
