@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -91,19 +92,60 @@ void gemm_tile(const Compute* a, int a_stride, const Compute* b, int b_stride, i
 #endif
 }
 
+// Which product of a key block a GEMM computes: the scores S = Q K^T (B is K^T: its columns are keys) or the
+// sum P V (its k are keys).
+enum class Product { kScores, kValues };
+
 // C[rows, columns] (+)= A[rows, k] B[k, columns]; columns a multiple of 64 (at most b_stride, B's packed
-// width), k of kPair.
-template <typename Compute>
-void gemm(const Compute* a, int a_stride, const Compute* b, int b_stride, int columns, int k, float* c,
-          int c_stride, int rows, bool accumulate) {
+// width), k of kPair. ``visible(row)``: how many of the block's keys a row can see (the causal mask). Each tile
+// of rows stops at the keys its last row sees, a column tile of 64 for the scores, a pair for P V: the keys
+// after them count for nothing (softmax_step sets their P to 0), and skipping them is a fifth less work.
+template <typename Compute, typename Visible>
+void gemm(Product product, const Compute* a, int a_stride, const Compute* b, int b_stride, int columns, int k,
+          float* c, int c_stride, int rows, Visible visible) {
   using Tile = void (*)(const Compute*, int, const Compute*, int, int, float*, int, bool);
   constexpr Tile tiles[] = {gemm_tile<Compute, 1>, gemm_tile<Compute, 2>, gemm_tile<Compute, 3>,
                             gemm_tile<Compute, 4>, gemm_tile<Compute, 5>, gemm_tile<Compute, 6>};
-  for (int i = 0; i < rows; i += kTileRows)
-    for (int n = 0; n < columns; n += kTileCols)
-      tiles[std::min(kTileRows, rows - i) - 1](a + i * a_stride, a_stride, b + n * kPair<Compute>, b_stride, k,
-                                               c + i * c_stride + n, c_stride, accumulate);
+  for (int i = 0; i < rows; i += kTileRows) {
+    const int tile_rows = std::min(kTileRows, rows - i), keys = visible(i + tile_rows - 1);
+    if (keys <= 0) continue;  // scores not needed, and P V adds nothing
+    const bool scores = product == Product::kScores;
+    const int tile_columns = scores ? std::min(columns, round_up(keys, kTileCols)) : columns;
+    const int tile_k = scores ? k : std::min(k, round_up(keys, kPair<Compute>));
+    for (int n = 0; n < tile_columns; n += kTileCols)
+      tiles[tile_rows - 1](a + i * a_stride, a_stride, b + n * kPair<Compute>, b_stride, tile_k,
+                           c + i * c_stride + n, c_stride, !scores);
+  }
 }
+
+#if defined(__AVX512F__)
+// m[i]: row i of a 16 x 16 matrix of 32-bit elements; afterwards, its column i. Pairs of rows are interleaved
+// by 32 then 64 bits (each 128-bit lane then holds a 4 x 4 block, transposed), then the lanes are exchanged.
+inline void transpose16x16(__m512i* m) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // m[g + c], lane L: column 4L + c of rows g..g + 3
+    m[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    m[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    m[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    m[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i low = _mm512_shuffle_i32x4(m[c], m[4 + c], _MM_SHUFFLE(1, 0, 1, 0));  // lanes 0, 1 of both
+    const __m512i high = _mm512_shuffle_i32x4(m[c], m[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i low2 = _mm512_shuffle_i32x4(m[8 + c], m[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i high2 = _mm512_shuffle_i32x4(m[8 + c], m[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    t[c] = _mm512_shuffle_i32x4(low, low2, _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + c] = _mm512_shuffle_i32x4(low, low2, _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + c] = _mm512_shuffle_i32x4(high, high2, _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + c] = _mm512_shuffle_i32x4(high, high2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  std::copy(t, t + 16, m);
+}
+#endif
 
 struct Request {
   const int32_t* block_table;
@@ -117,15 +159,16 @@ struct Task {
 };
 
 // One thread's buffers for a task: its queries, one key block's scores and probabilities, and per row the
-// running max, sum and output accumulator.
+// running max, sum and output accumulator. The queries and probabilities are left uninitialized (a vector
+// of bfloat16 fills itself one element at a time: 2% of a 288-token prompt); each task writes what it reads.
 template <typename Compute>
 struct Workspace {
   Workspace(int rows, int head_dim, int out_cols)
-      : queries(rows * head_dim), scores(rows * kKeyBlock), probs(rows * kKeyBlock), acc(rows * out_cols),
-        max(rows), sum(rows) {}
-  std::vector<Compute> queries;
+      : queries(new Compute[rows * head_dim]), scores(rows * kKeyBlock), probs(new Compute[rows * kKeyBlock]),
+        acc(rows * out_cols), max(rows), sum(rows) {}
+  std::unique_ptr<Compute[]> queries;
   std::vector<float> scores;
-  std::vector<Compute> probs;
+  std::unique_ptr<Compute[]> probs;
   std::vector<float> acc, max, sum;
 };
 
@@ -146,7 +189,9 @@ class PrefillAttention {
     return Workspace<Compute>(tokens_per_task(group_) * group_, head_dim_, out_cols_);
   }
 
-  // K^T and V of one block of a request's keys, as gemm reads them (zero past the context).
+  // K^T and V of one block of a request's keys, as gemm reads them (zero past the context): with AVX-512,
+  // where the cache holds what gemm multiplies, 16 keys at a time for K^T and 2 at a time for V; the keys
+  // these leave, one by one.
   void pack_block(int request, int kv_head, int block) {
     constexpr int pair = kPair<Compute>;
     const Request& r = requests_[request];
@@ -156,14 +201,64 @@ class PrefillAttention {
       std::fill(keys, keys + head_dim_ * kKeyBlock, Compute(0));
       std::fill(values, values + kKeyBlock * out_cols_, Compute(0));
     }
-    for (int t = 0; t < n; ++t) {
-      const T *k = cache_row(r, k_cache_, kv_head, first_key + t), *v = cache_row(r, v_cache_, kv_head, first_key + t);
-      for (int d = 0; d < head_dim_; ++d) {
-        keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]));
-        values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]));
+    const auto row = [&](const T* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
+    int keys_done = 0, values_done = 0;
+#if defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, Compute>) {
+      if (head_dim_ * sizeof(T) % 64 == 0) {
+        for (; keys_done + 16 <= n; keys_done += 16) transpose_keys(row, keys_done, keys);
+        for (; values_done + pair <= n; values_done += pair) pair_values(row, values_done, values);
+      }
+    }
+#endif
+    for (int t = keys_done; t < n; ++t)
+      for (int d = 0; d < head_dim_; ++d)
+        keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(row(k_cache_, t)[d]));
+    for (int t = values_done; t < n; ++t)
+      for (int d = 0; d < head_dim_; ++d)
+        values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(row(v_cache_, t)[d]));
+  }
+
+#if defined(__AVX512BW__)
+  // Keys first..first + 15 into K^T: each 64 bytes of a key's row (16 units of ``pair`` elements) is a row of a
+  // 16 x 16 matrix of 32-bit units, whose transpose holds each unit of the 16 keys in one vector.
+  template <typename Row>
+  void transpose_keys(Row row, int first, Compute* keys) const {
+    constexpr int pair = kPair<Compute>;
+    for (int unit = 0; unit < head_dim_ / pair; unit += 16) {
+      __m512i m[16];
+      for (int t = 0; t < 16; ++t) m[t] = _mm512_loadu_si512(row(k_cache_, first + t) + unit * pair);
+      transpose16x16(m);
+      for (int u = 0; u < 16; ++u) _mm512_storeu_si512(keys + ((unit + u) * kKeyBlock + first) * pair, m[u]);
+    }
+  }
+
+  // Keys first..first + pair - 1 into V's packed rows: a copy in float32; in bfloat16, the two keys' rows
+  // interleaved, each column's pair of keys together.
+  template <typename Row>
+  void pair_values(Row row, int first, Compute* values) const {
+    const T* v = row(v_cache_, first);
+    Compute* out = values + first * out_cols_;  // the row of pair first / 2, in elements
+    if constexpr (kPair<Compute> == 1) {
+      std::copy(v, v + head_dim_, out);
+    } else {
+      const T* next = row(v_cache_, first + 1);
+      alignas(64) static constexpr auto low = interleave_index(0), high = interleave_index(16);
+      for (int d = 0; d < head_dim_; d += 32) {
+        const __m512i a = _mm512_loadu_si512(v + d), b = _mm512_loadu_si512(next + d);
+        _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(a, _mm512_load_si512(low.data()), b));
+        _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(a, _mm512_load_si512(high.data()), b));
       }
     }
   }
+
+  // permutex2var's indices that take a's and b's 16-bit elements first..first + 15 in turns: a0 b0 a1 b1 ...
+  static constexpr std::array<int16_t, 32> interleave_index(int first) {
+    std::array<int16_t, 32> index{};
+    for (int i = 0; i < 16; ++i) index[2 * i] = int16_t(first + i), index[2 * i + 1] = int16_t(32 + first + i);
+    return index;
+  }
+#endif
 
   void attend(const Task& task, Workspace<Compute>& w) {
     const Request& r = requests_[task.request];
@@ -177,12 +272,14 @@ class PrefillAttention {
     for (int block = 0; block * kKeyBlock < num_keys; ++block) {
       const int block_keys = std::min(kKeyBlock, num_keys - block * kKeyBlock);
       const int value_k = round_up(block_keys, kPair<Compute>);
-      gemm(w.queries.data(), head_dim_, packed_keys(r, task.kv_head, block), kKeyBlock,
-           round_up(block_keys, kTileCols), head_dim_, w.scores.data(), kKeyBlock, rows, false);
-      for (int row = 0; row < rows; ++row)
-        softmax_step(row, std::min(block_keys, first_pos + row / group_ + 1 - block * kKeyBlock), value_k, w);
-      gemm(w.probs.data(), kKeyBlock, packed_values(r, task.kv_head, block), out_cols_, out_cols_, value_k,
-           w.acc.data(), out_cols_, rows, true);
+      const auto visible = [&](int row) {
+        return std::min(block_keys, first_pos + row / group_ + 1 - block * kKeyBlock);
+      };
+      gemm(Product::kScores, w.queries.get(), head_dim_, packed_keys(r, task.kv_head, block), kKeyBlock,
+           round_up(block_keys, kTileCols), head_dim_, w.scores.data(), kKeyBlock, rows, visible);
+      for (int row = 0; row < rows; ++row) softmax_step(row, visible(row), value_k, w);
+      gemm(Product::kValues, w.probs.get(), kKeyBlock, packed_values(r, task.kv_head, block), out_cols_,
+           out_cols_, value_k, w.acc.data(), out_cols_, rows, visible);
     }
     store_outputs(r, task, rows, w);
   }
@@ -207,7 +304,7 @@ class PrefillAttention {
     for (int row = 0; row < rows; ++row) {
       const int token = r.first_row + task.first_token + row / group_, head = task.kv_head * group_ + row % group_;
       const T* src = q_ + token * q_stride_ + head * head_dim_;
-      std::transform(src, src + head_dim_, w.queries.data() + row * head_dim_,
+      std::transform(src, src + head_dim_, w.queries.get() + row * head_dim_,
                      [](T x) { return Compute(float(x)); });
     }
   }
@@ -215,7 +312,7 @@ class PrefillAttention {
   // One row's scores over the block's first ``visible`` keys (the rest are after its position) into P and
   // its running max, sum and accumulator.
   void softmax_step(int row, int visible, int value_k, Workspace<Compute>& w) const {
-    Compute* p = w.probs.data() + row * kKeyBlock;
+    Compute* p = w.probs.get() + row * kKeyBlock;
     if (visible <= 0) {
       std::fill(p, p + value_k, Compute(0));
       return;
@@ -234,6 +331,12 @@ class PrefillAttention {
       const __m512 e = _mm512_maskz_mov_ps(
           live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale, _mm512_set1_ps(block_max))));
       sums = _mm512_add_ps(sums, e);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<Compute, at::BFloat16>) {  // one instruction, rounding as store16 does
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), (__m256i)_mm512_cvtneps_pbh(e));
+        continue;
+      }
+#endif
       store16(p + 16 * c, e);
     }
     const float block_sum = _mm512_reduce_add_ps(sums);
