@@ -9,6 +9,7 @@ from torch import nn
 
 from nanoengine.attention import cpu_backend
 from nanoengine.layers import linear as linear_module
+from nanoengine.layers import sampler
 from nanoengine.layers.activation import SiluAndMul
 from nanoengine.layers.linear import can_pack_for_onednn, choose_linear_kernels, linear
 from nanoengine.layers.norm import RMSNorm
@@ -239,6 +240,23 @@ def test_the_small_op_kernels_refuse_what_they_cannot_read(cpu_ops):
     with pytest.raises(RuntimeError, match="even head_dim"):
         cpu_ops.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
 
+
+
+@pytest.mark.parametrize("columns", [49152, 37, 16, 1])  # the 16-wide loop, its tail, both, the tail alone
+def test_the_argmax_kernel_is_torchs_with_ties_infinities_and_nan(cpu_ops, columns):
+    logits = torch.randn(8, columns)
+    logits[1] = float("-inf")                                         # all -inf: index 0
+    logits[2, columns // 3], logits[2, columns - 1] = 1e9, 1e9        # a tie: the first
+    logits[3, columns - 1] = float("inf")
+    logits[4, columns // 2], logits[4, columns - 1] = float("nan"), float("nan")  # the first NaN wins
+    logits[5, columns - 1] = float("nan")
+    logits[5, 0] = float("inf")
+    tokens = torch.full((8,), -1, dtype=torch.int64)
+    cpu_ops.argmax(logits, tokens)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert torch.equal(sampler.argmax(logits, cpu_ops), logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpu_ops.argmax(logits.t(), tokens)
 
 # The few-row linear kernel (layers/cpu_linear.cpp) against the exact product -------------------------------------
 

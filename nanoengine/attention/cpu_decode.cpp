@@ -274,6 +274,7 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
+void argmax(const at::Tensor& x, const at::Tensor& out);
 // The linear layers' few-row kernel, in nanoengine/layers/cpu_linear.cpp.
 std::vector<std::string> linear_dtypes();
 void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -291,6 +292,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, release);
   m.def("rotary", &rotary, release);
   m.def("store_kv", &store_kv, release);
+  m.def("argmax", &argmax, release);
   m.def("prefill_attention", &prefill_attention, release);
   m.def("linear_dtypes", &linear_dtypes);
   m.def("linear", &linear, release);

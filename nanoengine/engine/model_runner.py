@@ -288,7 +288,7 @@ class ModelRunner:
             if processed is logits and any(p.logprobs is not None for p in params):
                 processed = processed.clone()  # logprobs stay the raw model's
             apply_bitmask(processed, grammar_bitmask)
-        tokens = sample(processed, tensors, self.generator)
+        tokens = sample(processed, tensors, self.generator, self.cpu_ops)
         sampled, starts = tokens.tolist(), list(accumulate((1 + len(d) for d in drafts), initial=0))
         runs = [accepted_run(d, sampled[start:start + len(d) + 1]) for d, start in zip(drafts, starts)]
         result = StepResult(requests, runs, [len(d) for d in drafts])

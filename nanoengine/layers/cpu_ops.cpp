@@ -1,5 +1,6 @@
 // The small per-layer ops on the CPU: RMSNorm, SiLU(gate) * up and rotary, one pass over each row where
-// torch runs four to six kernels (and dispatches each of them: at a decode's few rows, most of the time).
+// torch runs four to six kernels (and dispatches each of them: at a decode's few rows, most of the time); and the
+// greedy sampler's argmax.
 // Each rounds to the model's dtype exactly where the torch modules in layers/ do (and so Hugging Face's),
 // so that a bfloat16 result is theirs bit for bit, bar the last bit of an exp or a sum. Built with the
 // decode kernel by nanoengine/attention/cpu_backend.py; tested against the torch modules in tests/test_layers.py.
@@ -187,4 +188,66 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
     std::memcpy(k_out + slots[t] * row_bytes, k_data + t * k.stride(0) * k.element_size(), row_bytes);
     std::memcpy(v_out + slots[t] * row_bytes, v_data + t * v.stride(0) * v.element_size(), row_bytes);
   }
+}
+
+namespace {
+
+// The first index of the row's largest value, or of its first NaN (torch's NaN is larger than everything):
+// one pass for the max, then one to the first index that holds it. NaN is found by its bits: -ffast-math lets
+// the compiler assume that a float compare never sees one.
+int64_t argmax_row(const float* row, int64_t n) {
+  const auto is_nan = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    return (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  };
+  float most = row[0];
+  bool any_nan = false;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 most16 = _mm512_set1_ps(row[0]);
+  __mmask16 nan16 = 0;
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(row + j);
+    most16 = _mm512_max_ps(most16, v);
+    nan16 |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity);
+  }
+  most = _mm512_reduce_max_ps(most16);
+  any_nan = nan16 != 0;
+#endif
+  for (; j < n; ++j) {
+    most = std::max(most, row[j]);
+    any_nan |= is_nan(row[j]);
+  }
+  j = 0;
+  if (any_nan) {
+    while (!is_nan(row[j])) ++j;
+    return j;
+  }
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(most);
+  for (; j + 16 <= n; j += 16) {
+    const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(row + j), target);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+#endif
+  while (row[j] != most) ++j;
+  return j;
+}
+
+}  // namespace
+
+// out[i] = torch.argmax(x[i]) for float32 rows [rows, n]. torch's own takes 0.66 ms for 32 rows of a 49k
+// vocabulary on a Zen 4 core pair, 17 times its amax.
+void argmax(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+              x.size(1) > 0 && out.is_contiguous() && out.scalar_type() == at::kLong && out.numel() == x.size(0),
+              "argmax: x contiguous float32 [rows, n > 0], out int64 [rows]");
+  const int64_t n = x.size(1);
+  const float* data = x.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) index[i] = argmax_row(data + i * n, n);
+  });
 }
