@@ -241,7 +241,6 @@ def test_the_small_op_kernels_refuse_what_they_cannot_read(cpu_ops):
         cpu_ops.rotary(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
 
 
-
 @pytest.mark.parametrize("columns", [49152, 37, 16, 1])  # the 16-wide loop, its tail, both, the tail alone
 def test_the_argmax_kernel_is_torchs_with_ties_infinities_and_nan(cpu_ops, columns):
     logits = torch.randn(8, columns)
@@ -257,6 +256,7 @@ def test_the_argmax_kernel_is_torchs_with_ties_infinities_and_nan(cpu_ops, colum
     assert torch.equal(sampler.argmax(logits, cpu_ops), logits.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         cpu_ops.argmax(logits.t(), tokens)
+
 
 # The few-row linear kernel (layers/cpu_linear.cpp) against the exact product -------------------------------------
 

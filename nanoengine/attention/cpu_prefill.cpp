@@ -211,12 +211,14 @@ class PrefillAttention {
       }
     }
 #endif
-    for (int t = keys_done; t < n; ++t)
-      for (int d = 0; d < head_dim_; ++d)
-        keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(row(k_cache_, t)[d]));
-    for (int t = values_done; t < n; ++t)
-      for (int d = 0; d < head_dim_; ++d)
-        values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(row(v_cache_, t)[d]));
+    for (int t = keys_done; t < n; ++t) {
+      const T* k = row(k_cache_, t);
+      for (int d = 0; d < head_dim_; ++d) keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]));
+    }
+    for (int t = values_done; t < n; ++t) {
+      const T* v = row(v_cache_, t);
+      for (int d = 0; d < head_dim_; ++d) values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]));
+    }
   }
 
 #if defined(__AVX512BW__)
