@@ -104,6 +104,37 @@ inline __m512 dot16(const T* q, const __m512* q_wide, const T* k) {
   return sum;
 }
 
+#if defined(__AVX512BF16__)
+// sum[h] += p[h][t] v[t] over keys t < n, two keys at a time in dpbf16: each head's p rounded to bfloat16 (as
+// prompt attention and SDPA round P), and the two keys' V rows interleaved by one permute per 16 columns, so
+// each column's pair of keys is one 32-bit unit. Half the multiplies of widening V and an FMA per key, and no
+// widening. A key past n (an odd n's last pair) is zero, whatever its row holds.
+template <int HEAD_DIM, int HEADS>
+inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, int64_t token_stride,
+                            __m512 (*sum)[HEAD_DIM / 16]) {
+  alignas(64) int32_t pairs[HEADS][8];  // per head, keys (2i, 2i + 1)'s p in bfloat16
+  for (int h = 0; h < HEADS; ++h)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[h])));
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int t = 0; t < n; t += 2) {
+    const at::BFloat16* row = v + t * token_stride;
+    for (int c = 0; c < HEAD_DIM / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(row + 32 * c);
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(row + token_stride + 32 * c) : _mm512_setzero_si512();
+      const __m512bh first = as_pairs(_mm512_permutex2var_epi16(a, low, b));    // columns 32c .. 32c + 15
+      const __m512bh second = as_pairs(_mm512_permutex2var_epi16(a, high, b));  // columns 32c + 16 .. 32c + 31
+      for (int h = 0; h < HEADS; ++h) {
+        const __m512bh weight = as_pairs(_mm512_set1_epi32(pairs[h][t / 2]));
+        sum[h][2 * c] = _mm512_dpbf16_ps(sum[h][2 * c], first, weight);
+        sum[h][2 * c + 1] = _mm512_dpbf16_ps(sum[h][2 * c + 1], second, weight);
+      }
+    }
+  }
+}
+#endif
+
 // HEADS query heads of one group over a request's context, 16 keys at a time in AVX-512 vectors, each head's
 // output sum kept in HEADS x HEAD_DIM / 16 vector variables (16 at most) for the whole context. For each query
 // head, its 16 dot products are finished by one sum_each and scaled, and the softmax runs on their 16 lanes;
@@ -154,6 +185,12 @@ void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, c
       _mm512_store_ps(p[h], p_live);
       l[h] = _mm512_add_ps(l[h], p_live);
     }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      add_value_pairs<HEAD_DIM, HEADS>(p, v, n, token_stride, sum);
+      continue;
+    }
+#endif
     for (int t = 0; t < n; ++t)
       for (int c = 0; c < kVectors; ++c) {
         const __m512 value = load16(v + t * token_stride + 16 * c);

@@ -48,9 +48,7 @@ template <>
 struct Step<at::BFloat16> {
   static constexpr int inputs = 2;
   static __m512 multiply_add(__m512 sums, __m512i x, const at::BFloat16* w) {
-    __m512bh pair;
-    std::memcpy(&pair, &x, sizeof(pair));
-    return _mm512_dpbf16_ps(sums, pair, load_pairs(w));
+    return _mm512_dpbf16_ps(sums, as_pairs(x), load_pairs(w));
   }
 };
 #endif

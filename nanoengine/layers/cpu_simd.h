@@ -80,6 +80,7 @@ inline __m512bh load_pairs(const void* p) {
   std::memcpy(&pairs, p, sizeof(pairs));
   return pairs;
 }
+inline __m512bh as_pairs(__m512i x) { return load_pairs(&x); }
 #endif
 
 // x rounded to T and back: where torch rounds a bfloat16 or float16 result, so do we.
