@@ -300,17 +300,17 @@ def test_the_linear_kernel_gives_the_exact_product_rounded_once(cpu_ops, dtype, 
 
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=["fp32", "bf16"])
 def test_the_linear_kernel_cuts_an_x_larger_than_l2_into_panels_that_change_no_bit(cpu_ops, dtype):
-    """1001 rows of 576 inputs (over 1 MiB) go through in panels, the last one short; each row's outputs are
-    those of the same rows multiplied 33 at a time, where there are no panels."""
+    """1601 rows of 576 inputs (1.8 MB in bfloat16, above the kernel's 1 MiB) go through in panels, the last
+    one short; each row's outputs are those of the same rows multiplied 33 at a time, where there are none."""
     linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(1)
     weight, bias = torch.randn(112, 576, dtype=dtype), torch.randn(112, dtype=dtype)
-    x, packed = torch.randn(1001, 576, dtype=dtype), linear_module.pack_steps(weight)
-    out = torch.full((1001, 112), float("nan"), dtype=dtype)
+    x, packed = torch.randn(1601, 576, dtype=dtype), linear_module.pack_steps(weight)
+    out = torch.full((1601, 112), float("nan"), dtype=dtype)
     linear_ops.linear(x, packed, bias, out)
-    for first in range(0, 1001, 33):
-        rows = torch.full((min(33, 1001 - first), 112), float("nan"), dtype=dtype)
-        linear_ops.linear(x[first:first + 33].contiguous(), packed, bias, rows)
+    for first in range(0, 1601, 33):
+        rows = torch.full((min(33, 1601 - first), 112), float("nan"), dtype=dtype)
+        linear_ops.linear(x[first:first + 33], packed, bias, rows)
         assert torch.equal(out[first:first + 33], rows)
     assert_rounded_exact_product(out[::50], x[::50], weight, bias)
 

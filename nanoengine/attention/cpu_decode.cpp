@@ -6,7 +6,8 @@
 // vectors: 4 at head size 64, 2 at 128; a larger group walks the table once per such chunk), while the next
 // block (elsewhere in memory) is prefetched. Softmax is online, as in the Triton kernel: a running max ``m``
 // and sum ``l`` per query head, the accumulator rescaled whenever the max grows. Everything is summed in
-// float32, whatever the cache's dtype. Built on first use by nanoengine/attention/cpu_backend.py.
+// float32, whatever the cache's dtype (in bfloat16 with AVX512-BF16, P is rounded to bfloat16 before it
+// multiplies V). Built on first use by nanoengine/attention/cpu_backend.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -107,8 +108,8 @@ inline __m512 dot16(const T* q, const __m512* q_wide, const T* k) {
 #if defined(__AVX512BF16__)
 // sum[h] += p[h][t] v[t] over keys t < n, two keys at a time in dpbf16: each head's p rounded to bfloat16 (as
 // prompt attention and SDPA round P), and the two keys' V rows interleaved by one permute per 16 columns, so
-// each column's pair of keys is one 32-bit unit. Half the multiplies of widening V and an FMA per key, and no
-// widening. A key past n (an odd n's last pair) is zero, whatever its row holds.
+// each column's pair of keys is one 32-bit unit: half the multiply instructions of the float32 path (each V row
+// widened, one FMA per key). A key past n (an odd n's last pair) is zero, whatever its row holds.
 template <int HEAD_DIM, int HEADS>
 inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, int64_t token_stride,
                             __m512 (*sum)[HEAD_DIM / 16]) {
@@ -138,8 +139,9 @@ inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, 
 // HEADS query heads of one group over a request's context, 16 keys at a time in AVX-512 vectors, each head's
 // output sum kept in HEADS x HEAD_DIM / 16 vector variables (16 at most) for the whole context. For each query
 // head, its 16 dot products are finished by one sum_each and scaled, and the softmax runs on their 16 lanes;
-// then each V row is widened to float32 once and added into every head's sum. HEADS is the exact count (a
-// test per head in the loop over V rows cost 15% at 3 heads), so a group is cut into calls of different HEADS.
+// then each V row is widened to float32 once and added into every head's sum (in bfloat16, two rows at a time
+// by add_value_pairs). HEADS is the exact count (a test per head in the loop over V rows cost 15% at 3 heads),
+// so a group is cut into calls of different HEADS.
 template <typename T, int HEAD_DIM, int HEADS>
 void attend_heads(const T* q, float scale, const T* k_cache, const T* v_cache, const int32_t* block_table,
                   int seq_len, int block_size, int64_t token_stride, T* out) {

@@ -26,9 +26,9 @@ constexpr int kAccumulators = 24;      // of the 32 registers: rows x blocks a t
 constexpr int kRowsPerChunk = 8;       // rows a tile holds, at most
 constexpr int64_t kSplitBytes = 1 << 20;  // an x above this (a core's L2 here) is cut into panels
 constexpr int64_t kPanelBytes = 64 << 10;
-// How far ahead (in steps) each of V weight streams asks for its next lines: 8 streams (one or two rows) read
-// 8 lines a step and 16 steps reach far enough; 3 streams under 8 rows read 3 lines a step, and need 32
-// steps (8 rows: 7.1 -> 6.7 ms for the model's linears, 32 rows 18.3 -> 17.7 ms, on a Zen 4).
+// How far ahead (in steps) each of a tile's weight streams asks for its next lines: a tile of 6-8 streams (up to
+// 4 rows) asks for 6-8 lines a step, and 16 steps reach far enough; fewer streams (5 rows and more) ask for
+// fewer lines a step, and need 32.
 constexpr int prefetch_steps(int streams) { return streams >= 6 ? 16 : 32; }
 
 // One step of the inputs: its weights for 16 outputs are one 64-byte load, its x one 32-bit broadcast.
@@ -114,19 +114,20 @@ void some_blocks(const Operands<T>& op, int64_t block, int64_t count) {
   blocks<T, V>(op, block);
 }
 
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 // Few rows hold few sums: more blocks per tile keep the multiply units busy (each waits on its sum). An x larger
-// than L2 is cut into panels of about 64 KiB that stay in L2 while every tile passes over them, the tasks taking
-// panels in order (x each tile reads again from L3 and beyond costs 5-7% at 2048-4096 rows; a smaller x, which
-// L2 holds, gains nothing from panels and loses to reading the weight once per panel).
+// than L2 would be read again from L3 by every tile: it is cut into equal panels of about 64 KiB (8 rows at
+// least), which stay in L2 while every tile passes over them, the tasks taking panels in order. A smaller x
+// stays whole: L2 holds it, and panels would read the weight once per panel.
 template <typename T, int V>
 void run(const Operands<T>& op) {
   const int64_t num_blocks = op.outputs / kLanes;
   const int64_t tiles = (num_blocks + V - 1) / V;
-  const int64_t row_bytes = op.steps * sizeof(int32_t);
-  const int64_t x_bytes = op.rows * row_bytes;
-  const int64_t most = x_bytes > kSplitBytes ? x_bytes / kPanelBytes : 1;  // panels, at most
-  const int64_t panel_rows =
-      std::max<int64_t>(kRowsPerChunk, ((op.rows + most - 1) / most + kRowsPerChunk - 1) / kRowsPerChunk * kRowsPerChunk);
+  const int64_t x_bytes = op.rows * op.steps * int64_t(sizeof(int32_t));
+  const int64_t max_panels = x_bytes > kSplitBytes ? x_bytes / kPanelBytes : 1;
+  const int64_t panel_rows = std::max<int64_t>(kRowsPerChunk, round_up((op.rows + max_panels - 1) / max_panels,
+                                                                       kRowsPerChunk));
   const int64_t panels = (op.rows + panel_rows - 1) / panel_rows;
   at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
