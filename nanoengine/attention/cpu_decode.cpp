@@ -116,20 +116,16 @@ inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, 
   alignas(64) int32_t pairs[HEADS][8];  // per head, keys (2i, 2i + 1)'s p in bfloat16
   for (int h = 0; h < HEADS; ++h)
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[h])));
-  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int t = 0; t < n; t += 2) {
     const at::BFloat16* row = v + t * token_stride;
     for (int c = 0; c < HEAD_DIM / 32; ++c) {
       const __m512i a = _mm512_loadu_si512(row + 32 * c);
       const __m512i b = t + 1 < n ? _mm512_loadu_si512(row + token_stride + 32 * c) : _mm512_setzero_si512();
-      const __m512bh first = as_pairs(_mm512_permutex2var_epi16(a, low, b));    // columns 32c .. 32c + 15
-      const __m512bh second = as_pairs(_mm512_permutex2var_epi16(a, high, b));  // columns 32c + 16 .. 32c + 31
+      const auto [first, second] = interleave_rows(a, b);  // columns 32c .. 32c + 15, then the next 16
       for (int h = 0; h < HEADS; ++h) {
         const __m512bh weight = as_pairs(_mm512_set1_epi32(pairs[h][t / 2]));
-        sum[h][2 * c] = _mm512_dpbf16_ps(sum[h][2 * c], first, weight);
-        sum[h][2 * c + 1] = _mm512_dpbf16_ps(sum[h][2 * c + 1], second, weight);
+        sum[h][2 * c] = _mm512_dpbf16_ps(sum[h][2 * c], as_pairs(first), weight);
+        sum[h][2 * c + 1] = _mm512_dpbf16_ps(sum[h][2 * c + 1], as_pairs(second), weight);
       }
     }
   }

@@ -39,8 +39,6 @@ constexpr int kTileCols = 64;    // its columns: GEMM widths are padded to multi
 constexpr int kKeyBlock = 256;   // keys per step of the online softmax
 constexpr int kQueryRows = 192;  // about this many rows (tokens x group) per task
 
-int round_up(int n, int m) { return (n + m - 1) / m * m; }
-
 // Compute is the type the GEMM multiplies: at::BFloat16 (in pairs) or float. A is row-major; B is packed as
 // [k / kPair][columns][kPair] so that one vector load takes the pairs of 16 columns.
 template <typename Compute>
@@ -245,20 +243,12 @@ class PrefillAttention {
       std::copy(v, v + head_dim_, out);
     } else {
       const T* next = row(v_cache_, first + 1);
-      alignas(64) static constexpr auto low = interleave_index(0), high = interleave_index(16);
       for (int d = 0; d < head_dim_; d += 32) {
-        const __m512i a = _mm512_loadu_si512(v + d), b = _mm512_loadu_si512(next + d);
-        _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(a, _mm512_load_si512(low.data()), b));
-        _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(a, _mm512_load_si512(high.data()), b));
+        const auto [low, high] = interleave_rows(_mm512_loadu_si512(v + d), _mm512_loadu_si512(next + d));
+        _mm512_storeu_si512(out + 2 * d, low);
+        _mm512_storeu_si512(out + 2 * d + 32, high);
       }
     }
-  }
-
-  // permutex2var's indices that take a's and b's 16-bit elements first..first + 15 in turns: a0 b0 a1 b1 ...
-  static constexpr std::array<int16_t, 32> interleave_index(int first) {
-    std::array<int16_t, 32> index{};
-    for (int i = 0; i < 16; ++i) index[2 * i] = int16_t(first + i), index[2 * i + 1] = int16_t(32 + first + i);
-    return index;
   }
 #endif
 

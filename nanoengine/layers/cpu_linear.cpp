@@ -114,8 +114,6 @@ void some_blocks(const Operands<T>& op, int64_t block, int64_t count) {
   blocks<T, V>(op, block);
 }
 
-int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
-
 // Few rows hold few sums: more blocks per tile keep the multiply units busy (each waits on its sum). An x larger
 // than L2 would be read again from L3 by every tile: it is cut into equal panels of about 64 KiB (8 rows at
 // least), which stay in L2 while every tile passes over them, the tasks taking panels in order. A smaller x

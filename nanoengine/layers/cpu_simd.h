@@ -1,8 +1,10 @@
-// What the CPU kernels share (attention/cpu_decode.cpp, attention/cpu_prefill.cpp, layers/cpu_ops.cpp): AVX-512
-// helpers, for which each kernel keeps a plain loop on CPUs without AVX-512, and the prefetch of a KV block.
+// What the CPU kernels share (attention/cpu_decode.cpp, attention/cpu_prefill.cpp, layers/cpu_ops.cpp,
+// layers/cpu_linear.cpp): AVX-512 helpers, for which each kernel keeps a plain loop on CPUs without AVX-512, the
+// prefetch of a KV block, and round_up.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -82,6 +84,21 @@ inline __m512bh load_pairs(const void* p) {
 }
 inline __m512bh as_pairs(__m512i x) { return load_pairs(&x); }
 #endif
+
+#if defined(__AVX512BW__)
+// Two rows of 32 16-bit values interleaved, each column's pair one 32-bit unit (what dpbf16 multiplies):
+// {a0 b0 a1 b1 ... a15 b15} and {a16 b16 ... a31 b31}.
+inline std::array<__m512i, 2> interleave_rows(__m512i a, __m512i b) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  return {_mm512_permutex2var_epi16(a, low, b), _mm512_permutex2var_epi16(a, high, b)};
+}
+#endif
+
+// n rounded up to a multiple of m.
+template <typename N, typename M>
+constexpr N round_up(N n, M m) { return (n + m - 1) / m * m; }
 
 // x rounded to T and back: where torch rounds a bfloat16 or float16 result, so do we.
 template <typename T>
