@@ -12,7 +12,7 @@
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
 weights, which is enough for a throughput figure. ``cpu`` is the same kind of workload sized for a
-small CPU, on the default model (SmolLM2-135M-Instruct), in bfloat16 where the CPU has native bfloat16
+small CPU, on the default model (SmolLM2-135M-Instruct), in bfloat16 where the CPU has AVX-512 or AMX
 (else float32; ``--dtype`` overrides). ``--compare hf`` then runs transformers on
 the same model and the same prompts in the same process; ``--compare vllm`` runs vLLM's ``LLM.generate``
 on them in vLLM's own interpreter (``make bench-vllm`` builds it), at float32 and at bfloat16. Each

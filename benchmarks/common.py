@@ -146,9 +146,10 @@ def record_steps(llm: LLM) -> list[Step]:
     return steps
 
 def preset_workload(preset: str, dtype: str | None) -> Workload:
-    """The preset's workload in ``dtype``; by default the cpu preset runs in bfloat16 where the CPU multiplies
-    it natively (AVX-512 BF16 or AMX), else in float32."""
-    if dtype is None and preset == "cpu" and not cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+    """The preset's workload in ``dtype``; by default the cpu preset runs in bfloat16 where the CPU has AVX-512
+    (our kernels multiply bfloat16 there, natively or widened to float32 in registers) or AMX, else in
+    float32."""
+    if dtype is None and preset == "cpu" and not cpu_flags() & {"avx512f", "amx_bf16"}:
         dtype = "float32"
     return replace(WORKLOADS[preset], dtype=dtype) if dtype else WORKLOADS[preset]
 

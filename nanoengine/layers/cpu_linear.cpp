@@ -4,7 +4,8 @@
 //
 // The weight is packed once (layers/linear.py) so that one 64-byte load holds 16 outputs' weights for one step
 // of the inputs: a pair of inputs (k, k+1) in bfloat16, which `vdpbf16ps` (AVX512-BF16) multiplies by a
-// broadcast pair of x, or one input k in float32, which an FMA multiplies by a broadcast x. The layout is
+// broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), or one input k in float32, which an FMA
+// multiplies by a broadcast x. The layout is
 // [N/16, K/step, 16, step]. Each task computes V blocks of 16 outputs for every row, 8 rows at a time; a block's
 // weight stays in L2 between row chunks. The sums are float32, rounded once to the output's dtype (to nearest,
 // ties to even, as torch's matmul rounds). Built with the attention kernels by attention/cpu_backend.py;
@@ -51,12 +52,28 @@ struct Step<at::BFloat16> {
     return _mm512_dpbf16_ps(sums, as_pairs(x), load_pairs(w));
   }
 };
+template <typename T>
+constexpr bool kWidens = false;
+#else
+// bfloat16 on a CPU without AVX512-BF16: each 64-byte load of weight pairs is widened to float32 once per step
+// of a tile, input k's weights by a shift (the low halves) and input k + 1's by a mask (the high halves), and
+// meets x, widened to float32 before the call, in two FMAs per row: float32's multiply rate at half its weight
+// bytes. (Looping over blocks before rows instead, GCC keeps every row's x in registers and spills the sums.)
+template <>
+struct Step<at::BFloat16> {
+  static constexpr int inputs = 2;
+};
+template <typename T>
+constexpr bool kWidens = std::is_same_v<T, at::BFloat16>;
 #endif
 
 template <typename T>
+using Input = std::conditional_t<kWidens<T>, float, T>;  // what x is read as
+
+template <typename T>
 struct Operands {
-  const T* x;       // [M, K]
-  const T* packed;  // [N/16, K/step, 16, step]
+  const Input<T>* x;  // [M, K]
+  const T* packed;    // [N/16, K/step, 16, step]
   const T* bias;    // [N] or null
   T* out;           // [M, N]
   int64_t rows, steps, outputs;
@@ -71,14 +88,29 @@ void tile(const Operands<T>& op, int64_t row, int64_t block) {
     for (int v = 0; v < V; ++v) sums[r][v] = _mm512_setzero_ps();
   const T* streams[V];
   for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep;
-  const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + row * op.steps;  // one int32 = one step of x
   for (int64_t s = 0; s < op.steps; ++s) {
     for (int v = 0; v < V; ++v)  // into L2, as prefetch_block does
       __builtin_prefetch(streams[v] + (s + prefetch_steps(V)) * kBlockStep, 0, 2);
-    for (int r = 0; r < R; ++r) {
-      const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
-      for (int v = 0; v < V; ++v)
-        sums[r][v] = Step<T>::multiply_add(sums[r][v], broadcast, streams[v] + s * kBlockStep);
+    if constexpr (kWidens<T>) {
+      __m512 first[V], second[V];
+      for (int v = 0; v < V; ++v) {
+        const __m512i pairs = _mm512_loadu_si512(streams[v] + s * kBlockStep);
+        first[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        second[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))));
+      }
+      const float* x = op.x + (row * op.steps + s) * 2;  // row r's pair: x[2 r steps], x[2 r steps + 1]
+      for (int r = 0; r < R; ++r) {
+        const __m512 x_first = _mm512_set1_ps(x[2 * r * op.steps]), x_second = _mm512_set1_ps(x[2 * r * op.steps + 1]);
+        for (int v = 0; v < V; ++v)
+          sums[r][v] = _mm512_fmadd_ps(x_second, second[v], _mm512_fmadd_ps(x_first, first[v], sums[r][v]));
+      }
+    } else {
+      const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + row * op.steps;  // one int32 = one step of x
+      for (int r = 0; r < R; ++r) {
+        const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
+        for (int v = 0; v < V; ++v)
+          sums[r][v] = Step<T>::multiply_add(sums[r][v], broadcast, streams[v] + s * kBlockStep);
+      }
     }
   }
   for (int v = 0; v < V; ++v) {
@@ -122,7 +154,7 @@ template <typename T, int V>
 void run(const Operands<T>& op) {
   const int64_t num_blocks = op.outputs / kLanes;
   const int64_t tiles = (num_blocks + V - 1) / V;
-  const int64_t x_bytes = op.rows * op.steps * int64_t(sizeof(int32_t));
+  const int64_t x_bytes = op.rows * op.steps * Step<T>::inputs * int64_t(sizeof(Input<T>));
   const int64_t max_panels = x_bytes > kSplitBytes ? x_bytes / kPanelBytes : 1;
   const int64_t panel_rows = std::max<int64_t>(kRowsPerChunk, round_up((op.rows + max_panels - 1) / max_panels,
                                                                        kRowsPerChunk));
@@ -142,7 +174,8 @@ void run(const Operands<T>& op) {
 template <typename T>
 void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                const at::Tensor& out) {
-  const Operands<T> op{x.data_ptr<T>(), packed.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr,
+  const at::Tensor input = kWidens<T> ? x.to(at::kFloat) : x;
+  const Operands<T> op{input.data_ptr<Input<T>>(), packed.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr,
                        out.data_ptr<T>(), x.size(0), packed.size(1), out.size(1)};
   if (op.rows <= 2) return run<T, 8>(op);
   if (op.rows <= 4) return run<T, 6>(op);
@@ -154,17 +187,15 @@ void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
 
 namespace {
 bool multiplies(at::ScalarType dtype) {
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return true;
-#endif
 #if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#endif
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
   return false;
+#endif
 }
 }  // namespace
 
-// The dtypes this build multiplies: float32 with AVX-512, bfloat16 with AVX512-BF16 too.
+// The dtypes this build multiplies: float32 and bfloat16 with AVX-512 (bfloat16 in dpbf16 with AVX512-BF16).
 std::vector<std::string> linear_dtypes() {
   std::vector<std::string> dtypes;
   if (multiplies(at::kFloat)) dtypes.push_back("float32");
@@ -189,10 +220,8 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<a
   if (bias)
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == dtype && bias->numel() == out.size(1),
                 "linear: bias [N] of x's dtype");
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, bias, out);
-#endif
 #if defined(__AVX512F__)
+  if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, bias, out);
   linear_as<float>(x, packed, bias, out);
 #endif
 }
