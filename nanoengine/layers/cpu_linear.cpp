@@ -74,8 +74,8 @@ template <typename T>
 struct Operands {
   const Input<T>* x;  // [M, K]
   const T* packed;    // [N/16, K/step, 16, step]
-  const T* bias;    // [N] or null
-  T* out;           // [M, N]
+  const T* bias;      // [N] or null
+  T* out;             // [M, N]
   int64_t rows, steps, outputs;
 };
 
