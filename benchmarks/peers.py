@@ -1,15 +1,18 @@
 """The peers: transformers in this process, and vLLM's CPU backend (or CUDA) in its own interpreter."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import Throughput, Workload, on_gpu, sync
+from benchmarks.roofline import time_best
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: str):
@@ -83,14 +86,31 @@ def wait_finished(manager):
         if result.is_finished():
             return result
 
+
+def hf_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
+    """transformers at its faster dtype: on a CPU without bfloat16 instructions torch multiplies bfloat16
+    slower than float32, so on the CPU the faster of the two, by timing torch's own matmul."""
+    if device == "cuda" or dtype != torch.bfloat16:
+        return dtype
+    a = torch.randn(1024, 1024)
+    return min((dtype, torch.float32), key=lambda d: time_best(functools.partial(torch.mm, a.to(d), a.to(d)), 5))
+
+
 def compare_hf(model_dir: str, dtype: torch.dtype, device: str, prompts, max_tokens, temperature) -> list:
-    model = load_hf_model(model_dir, dtype, device)
-    peers = [run_hf_generate(model, prompts, max_tokens, temperature).announce()]
+    peer_dtype = hf_dtype(dtype, device)
+    model = load_hf_model(model_dir, peer_dtype, device)
+    suffix = "" if peer_dtype == dtype else f", {str(peer_dtype).removeprefix('torch.')}"
+
+    def named(run: Throughput) -> Throughput:
+        return replace(run, name=run.name + suffix)
+
+    peers = [named(run_hf_generate(model, prompts, max_tokens, temperature)).announce()]
     try:
-        peers.append(run_hf_continuous_batching(model, prompts, max_tokens, temperature).announce())
+        peers.append(named(run_hf_continuous_batching(model, prompts, max_tokens, temperature)).announce())
     except (ImportError, TypeError, AttributeError, RuntimeError) as error:  # its API moves between versions
         print(f"bench: transformers' continuous batching left out: {error!r}", file=sys.stderr)
     return peers
+
 
 # vLLM's own interpreter: vLLM pins its own dependency set, which must not touch ours (`make bench-vllm`).
 VLLM_PYTHON = Path(__file__).parent.parent / ".venv-vllm" / "bin" / "python"

@@ -4,6 +4,7 @@ import json
 import random
 
 import pytest
+import torch
 from conftest import build_tiny_model
 
 import bench
@@ -71,6 +72,24 @@ def test_throughput_against_transformers_prints_a_table(tiny_qwen3, capsys, monk
     table = capsys.readouterr().out
     assert all(name in table for name in names) and "% of the roofline" in table
     json.dumps(report)
+
+
+def test_transformers_runs_at_its_faster_dtype(tiny_qwen3, monkeypatch):
+    """Where torch multiplies bfloat16 slower than float32, the transformers peer runs in float32 and says so."""
+    loaded, load = [], peers.load_hf_model
+
+    def load_recorded(model, dtype, device):
+        loaded.append(dtype)
+        return load(model, dtype, device)
+
+    monkeypatch.setattr(peers, "hf_dtype", lambda dtype, device: torch.float32)
+    monkeypatch.setattr(peers, "load_hf_model", load_recorded)
+    workload = Workload(2, (8, 12), (2, 3), 0.0, "bfloat16", 64)
+    report = bench.run_throughput("cpu", workload, tiny_qwen3, peers={"hf"}, rounds=1)
+    assert loaded == [torch.float32]
+    assert [run["name"] for run in report["runs"]][1:] == ["transformers generate, float32",
+                                                          "transformers generate_batch, float32"]
+    assert peers.hf_dtype(torch.float32, "cpu") is torch.float32
 
 
 def test_prefix_and_chunked_presets_report_their_figures(tiny_qwen3):
