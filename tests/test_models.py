@@ -2,9 +2,12 @@
 
 import random
 
+import pytest
+import torch
 from conftest import build_tiny_model, hf_greedy
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.layers.linear import choose_linear_kernels
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -71,3 +74,46 @@ def test_llama_with_attention_bias_matches_transformers(tmp_path, smollm2_dir):
     hf_model = build_tiny_model("llama", tmp_path, smollm2_dir, attention_bias=True)
     with LLM(str(tmp_path), max_model_len=256) as llm:
         check_against_transformers(llm, hf_model, prompts_of_different_lengths()[2:5])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layers_in_one_call_give_the_python_layers_logits_bit_for_bit(tiny_model, dtype):
+    _, folder, hf_model = tiny_model
+    check_layers_in_one_call(folder, hf_model, dtype)
+
+
+def test_the_layers_in_one_call_add_every_attention_bias(tmp_path, smollm2_dir):
+    check_layers_in_one_call(str(tmp_path), build_tiny_model("llama", tmp_path, smollm2_dir, attention_bias=True),
+                             "float32")
+
+
+def check_layers_in_one_call(folder: str, hf_model, dtype: str) -> None:
+    """With every linear layer on cpu_linear.cpp's kernel, each step's decoder layers run as one C++ call
+    (prefill, chunked prefill and decode steps, and steps that mix them): its logits are those of the layers'
+    Python forward to the bit, and in float32 its tokens are transformers'."""
+    with LLM(folder, dtype=dtype, max_model_len=256, max_num_batched_tokens=48) as llm:
+        runner = llm.llm_engine.model_executor.runner
+        if dtype not in runner.cpu_ops.linear_dtypes():
+            pytest.skip(f"this CPU cannot run cpu_linear.cpp's kernel in {dtype}, so the layers never run in one call")
+        choose_linear_kernels(runner.model, "avx512", runner.cpu_ops)
+        runner.use_layers_in_one_call()
+        decoder, one_call = runner.model.model, runner.model.model.layers_in_one_call
+        assert one_call is not None and all(one_call.runs_at)
+        forward, step_kinds = runner.forward, set()
+
+        def forward_both_ways(inputs):
+            logits = forward(inputs)
+            decoder.layers_in_one_call = None
+            try:
+                assert torch.equal(forward(inputs), logits)
+            finally:
+                decoder.layers_in_one_call = one_call
+            step_kinds.add(tuple(sorted({len(ids) > 1 for ids in inputs.token_ids})))
+            return logits
+
+        runner.forward = forward_both_ways
+        if dtype == "float32":
+            check_against_transformers(llm, hf_model, prompts_of_different_lengths())
+        else:
+            llm.generate(prompts_of_different_lengths(), GREEDY, use_tqdm=False)
+        assert {(False,), (False, True)} <= step_kinds, "no decode-only step, or no step with prompt rows in it"

@@ -39,7 +39,7 @@ from nanoengine.utils.default_model import cache_dir
 logger = logging.getLogger(__name__)
 
 KERNEL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_prefill.cpp")] + [
-    Path(__file__).parents[1] / "layers" / name for name in ("cpu_ops.cpp", "cpu_linear.cpp")]
+    Path(__file__).parents[1] / "layers" / name for name in ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")]
 # -march=native: the build is for this CPU only (its folder is named after it). -ffast-math lets the
 # compiler vectorize the dot products and exp (glibc's vector exp needs all of it, finite math included).
 # -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "../layers/cpu_kernels.h"
 #include "../layers/cpu_simd.h"
 
 // The query heads of one KV head (``group`` rows of ``q``) over one request's context, in plain loops.
@@ -301,24 +302,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
 }
 
-// The small per-layer ops, in nanoengine/layers/cpu_ops.cpp (one extension holds every CPU kernel).
-void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out);
-void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
-                  const at::Tensor& out);
-void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out);
-void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& slot_mapping);
-void argmax(const at::Tensor& x, const at::Tensor& out);
-// The linear layers' few-row kernel, in nanoengine/layers/cpu_linear.cpp.
-std::vector<std::string> linear_dtypes();
-void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-            const at::Tensor& out);
-// Prompt attention, in nanoengine/attention/cpu_prefill.cpp.
-void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
-                       const at::Tensor& seq_lens, double scale, const at::Tensor& out);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, release);
@@ -331,4 +314,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, release);
   m.def("linear_dtypes", &linear_dtypes);
   m.def("linear", &linear, release);
+  m.def("decoder_layers", &decoder_layers, release);
 }

@@ -17,7 +17,7 @@ import torch
 from nanoengine.attention import load_backend
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.config import EngineConfig
-from nanoengine.distributed import min_over_ranks, rank_device
+from nanoengine.distributed import min_over_ranks, rank_device, tp_size
 from nanoengine.engine.cuda_graphs import capture_decode_graphs
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
@@ -27,6 +27,7 @@ from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import choose_linear_kernels
 from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
+from nanoengine.models.llama import LayersInOneCall
 from nanoengine.utils.cpu_memory import keep_freed_memory
 from nanoengine.utils.loader import load_model
 
@@ -102,6 +103,7 @@ class ModelRunner:
             # A full-budget step (one layer, then the logits) faults its memory into the kept heap now, not in the
             # first large step.
             self.run_dummy_step(config.max_num_batched_tokens, num_layers=1)
+            self.use_layers_in_one_call()
         self.decode_graphs = capture_decode_graphs(self.model, config, self.device)
 
     def build_model(self) -> torch.nn.Module:
@@ -116,6 +118,13 @@ class ModelRunner:
         load_model(model, self.config.model)
         choose_linear_kernels(model, cpu_ops=self.cpu_ops)  # on the CPU only
         return model.eval()
+
+    def use_layers_in_one_call(self) -> None:
+        """On one rank, the steps whose linear layers all take cpu_linear.cpp's kernel run the decoder layers in
+        one C++ call (models/llama.py's LayersInOneCall)."""
+        decoder = self.model.model
+        one_call = LayersInOneCall(decoder.layers, self.cpu_ops)
+        decoder.layers_in_one_call = one_call if any(one_call.runs_at) and tp_size() == 1 else None
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if choice is None:
         return F.linear(x, weight, bias)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    kernel = choice.used_at[bisect_left(ROW_BUCKETS, rows.shape[0], hi=len(ROW_BUCKETS) - 1)]
+    kernel = kernel_at(choice, bucket_of(rows.shape[0]))
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
     if kernel == "avx512":
@@ -73,6 +73,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def bucket_of(num_rows: int) -> int:
+    """The index of the row bucket whose kernel multiplies ``num_rows`` rows."""
+    return bisect_left(ROW_BUCKETS, num_rows, hi=len(ROW_BUCKETS) - 1)
+
+
+def kernel_at(choice: KernelChoice | None, bucket: int) -> str:
+    return "torch" if choice is None else choice.used_at[bucket]
 
 
 def can_pack_for_onednn(weight: torch.Tensor) -> bool:
