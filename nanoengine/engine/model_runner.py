@@ -211,7 +211,7 @@ class ModelRunner:
         for layer in self.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
-        self.decode_graphs = None
+        self.decode_graphs = self.model.model.layers_in_one_call = None
 
     # One step ------------------------------------------------------------------------------------
 

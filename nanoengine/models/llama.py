@@ -109,8 +109,12 @@ class LayersInOneCall:
     all-reduce: one rank only."""
 
     def __init__(self, layers: nn.ModuleList, cpu_ops: ModuleType):
-        self.layers, self.cpu_ops = layers, cpu_ops
+        """``layers``' weights and KV caches as they are now: a new cache or kernel choice needs a new one."""
+        self.cpu_ops, self.attention = cpu_ops, layers[0].self_attn
+        self.eps = layers[0].input_layernorm.eps
         self.weights = [weight for layer in layers for weight in layer_weights(layer)]
+        self.caches = [cache for layer in layers for cache in (layer.self_attn.attn.k_cache,
+                                                               layer.self_attn.attn.v_cache)]
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.runs_at = [all(kernel_at(m.kernel_choice, bucket) == "avx512" for m in linears)
@@ -122,17 +126,14 @@ class LayersInOneCall:
     def __call__(self, rotation: Rotation, hidden: torch.Tensor, meta: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and the residual stream, as the layers' own forward leaves them."""
-        attention = self.layers[0].self_attn
-        backend = attention.attn.backend
+        attention, backend = self.attention, self.attention.attn.backend
         decodes, prompts = backend.decode_plan(meta), backend.prefill_plan(meta)
-        caches = [cache for layer in self.layers for cache in (layer.self_attn.attn.k_cache,
-                                                                layer.self_attn.attn.v_cache)]
         hidden, residual = self.cpu_ops.decoder_layers(
-            hidden, self.weights, caches, rotation.cos, rotation.sin, meta.slot_mapping,
+            hidden, self.weights, self.caches, rotation.cos, rotation.sin, meta.slot_mapping,
             [] if decodes is None else [decodes.block_tables, decodes.seq_lens, decodes.rows],
             [] if prompts is None else [prompts.block_tables, prompts.first_rows, prompts.query_lens,
                                         prompts.seq_lens],
-            attention.num_heads, attention.num_kv_heads, attention.attn.scale, self.layers[0].input_layernorm.eps)
+            attention.num_heads, attention.num_kv_heads, attention.attn.scale, self.eps)
         return hidden, residual
 
 
