@@ -71,6 +71,9 @@ template <typename T>
 using Input = std::conditional_t<kWidens<T>, float, T>;  // what x is read as
 
 template <typename T>
+constexpr int64_t kBlockStep = kLanes * Step<T>::inputs;  // elements of one step of one block
+
+template <typename T>
 struct Operands {
   const Input<T>* x;  // [M, K]
   const T* packed;    // [N/16, K/step, 16, step]
@@ -79,22 +82,22 @@ struct Operands {
   int64_t rows, steps, outputs;
 };
 
-// Rows [row, row + R) times packed blocks [block, block + V).
+// Rows [row, row + R) times packed blocks [block, block + V). At each step, each block's stream asks for the
+// weight ``ahead`` elements further on.
 template <typename T, int R, int V>
-void tile(const Operands<T>& op, int64_t row, int64_t block) {
-  constexpr int64_t kBlockStep = kLanes * Step<T>::inputs;  // elements of one step of one block
+void tile(const Operands<T>& op, int64_t row, int64_t block, int64_t ahead) {
   __m512 sums[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) sums[r][v] = _mm512_setzero_ps();
   const T* streams[V];
-  for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep;
+  for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<T>;
   for (int64_t s = 0; s < op.steps; ++s) {
     for (int v = 0; v < V; ++v)  // into L2, as prefetch_block does
-      __builtin_prefetch(streams[v] + (s + prefetch_steps(V)) * kBlockStep, 0, 2);
+      __builtin_prefetch(streams[v] + s * kBlockStep<T> + ahead, 0, 2);
     if constexpr (kWidens<T>) {
       __m512 first[V], second[V];
       for (int v = 0; v < V; ++v) {
-        const __m512i pairs = _mm512_loadu_si512(streams[v] + s * kBlockStep);
+        const __m512i pairs = _mm512_loadu_si512(streams[v] + s * kBlockStep<T>);
         first[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
         second[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))));
       }
@@ -109,7 +112,7 @@ void tile(const Operands<T>& op, int64_t row, int64_t block) {
       for (int r = 0; r < R; ++r) {
         const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
         for (int v = 0; v < V; ++v)
-          sums[r][v] = Step<T>::multiply_add(sums[r][v], broadcast, streams[v] + s * kBlockStep);
+          sums[r][v] = Step<T>::multiply_add(sums[r][v], broadcast, streams[v] + s * kBlockStep<T>);
       }
     }
   }
@@ -123,19 +126,27 @@ void tile(const Operands<T>& op, int64_t row, int64_t block) {
 // The last rows (fewer than a chunk) as one tile of exactly that many (only those that fit in registers are
 // built: run<V> never leaves more rows than that).
 template <typename T, int V, int R = 1>
-void last_rows(const Operands<T>& op, int64_t row, int64_t block, int64_t count) {
+void last_rows(const Operands<T>& op, int64_t row, int64_t block, int64_t count, int64_t ahead) {
   if constexpr (R < kRowsPerChunk && R * V <= kAccumulators) {
-    if (count == R) return tile<T, R, V>(op, row, block);
-    last_rows<T, V, R + 1>(op, row, block, count);
+    if (count == R) return tile<T, R, V>(op, row, block, ahead);
+    last_rows<T, V, R + 1>(op, row, block, count, ahead);
   }
 }
 
+// The first row chunk reads the tile's weight from memory, each stream asking a few steps ahead. The second finds
+// it in L2 and asks for the next tile's instead (the same step of the block V on), so that the next tile's first
+// chunk finds its weight in L2 too: 16 rows 6.8 -> 6.0 ms, 32 rows 10.7 -> 10.1 ms for SmolLM2's linears on a
+// Zen 5, which multiplies twice as fast as it reads a weight from memory at 8 rows.
 template <typename T, int V>
 void blocks(const Operands<T>& op, int64_t block) {
+  const int64_t ahead = prefetch_steps(V) * kBlockStep<T>;
+  const int64_t next_tile = block + 2 * V <= op.outputs / kLanes ? V * op.steps * kBlockStep<T> : ahead;
+  const auto ahead_at = [&](int64_t row) { return row == kRowsPerChunk ? next_tile : ahead; };
   int64_t row = 0;
   if constexpr (kRowsPerChunk * V <= kAccumulators)
-    for (; row + kRowsPerChunk <= op.rows; row += kRowsPerChunk) tile<T, kRowsPerChunk, V>(op, row, block);
-  if (row < op.rows) last_rows<T, V>(op, row, block, op.rows - row);
+    for (; row + kRowsPerChunk <= op.rows; row += kRowsPerChunk)
+      tile<T, kRowsPerChunk, V>(op, row, block, ahead_at(row));
+  if (row < op.rows) last_rows<T, V>(op, row, block, op.rows - row, ahead_at(row));
 }
 
 // Blocks [block, block + count), count <= V, as one tile of exactly that many blocks.
