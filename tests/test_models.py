@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model, hf_greedy
+from conftest import build_tiny_model, hf_greedy, keep_every_draft
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.layers.linear import choose_linear_kernels
@@ -77,9 +77,9 @@ def test_llama_with_attention_bias_matches_transformers(tmp_path, smollm2_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_layers_in_one_call_give_the_python_layers_logits_bit_for_bit(tiny_model, dtype):
+def test_the_layers_in_one_call_match_the_python_layers_bit_for_bit(tiny_model, dtype):
     _, folder, hf_model = tiny_model
-    check_layers_in_one_call(folder, hf_model, dtype)
+    assert check_layers_in_one_call(folder, hf_model, dtype) >= {"decode", "prompt"}
 
 
 def test_the_layers_in_one_call_add_every_attention_bias(tmp_path, smollm2_dir):
@@ -87,33 +87,52 @@ def test_the_layers_in_one_call_add_every_attention_bias(tmp_path, smollm2_dir):
                              "float32")
 
 
-def check_layers_in_one_call(folder: str, hf_model, dtype: str) -> None:
-    """With every linear layer on cpu_linear.cpp's kernel, each step's decoder layers run as one C++ call
-    (prefill, chunked prefill and decode steps, and steps that mix them): its logits are those of the layers'
-    Python forward to the bit, and in float32 its tokens are transformers'."""
-    with LLM(folder, dtype=dtype, max_model_len=256, max_num_batched_tokens=48) as llm:
+@pytest.mark.parametrize("tiny_model", ["qwen3"], indirect=True)
+def test_the_layers_in_one_call_verify_drafts(tiny_model):
+    """The tiny Qwen3's greedy tokens soon repeat, so the n-gram proposer drafts."""
+    _, folder, hf_model = tiny_model
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    prompts = [list(range(1000, 1012)) * 3, [17, 23] * 4]
+    assert "drafts" in check_layers_in_one_call(folder, hf_model, "float32", prompts, speculative_config=speculative)
+
+
+def check_layers_in_one_call(folder: str, hf_model, dtype: str, prompts: list[list[int]] | None = None,
+                             **options) -> set[str]:
+    """With every linear layer on cpu_linear.cpp's kernel, each step's decoder layers run as one C++ call: every
+    row's output and every KV cache entry the step writes are those of the layers' Python forward to the bit, and
+    in float32 the tokens are transformers'. Returns the kinds of rows the steps had (decode, prompt, drafts)."""
+    with LLM(folder, dtype=dtype, max_model_len=256, max_num_batched_tokens=48, num_kvcache_blocks=64,
+             **options) as llm:
+        keep_every_draft(llm.llm_engine)
         runner = llm.llm_engine.model_executor.runner
+        assert runner.cpu_ops is not None, "the C++ kernels did not build: see the warning logged above"
         if dtype not in runner.cpu_ops.linear_dtypes():
             pytest.skip(f"this CPU cannot run cpu_linear.cpp's kernel in {dtype}, so the layers never run in one call")
         choose_linear_kernels(runner.model, "avx512", runner.cpu_ops)
         runner.use_layers_in_one_call()
         decoder, one_call = runner.model.model, runner.model.model.layers_in_one_call
         assert one_call is not None and all(one_call.runs_at)
-        forward, step_kinds = runner.forward, set()
+        forward, kinds = decoder.forward, set()
 
-        def forward_both_ways(inputs):
-            logits = forward(inputs)
+        def forward_both_ways(input_ids, positions, meta):
+            cache_before = runner.kv_cache.clone()
+            hidden = forward(input_ids, positions, meta)
+            cache_after, _ = runner.kv_cache.clone(), runner.kv_cache.copy_(cache_before)
             decoder.layers_in_one_call = None
             try:
-                assert torch.equal(forward(inputs), logits)
+                assert torch.equal(forward(input_ids, positions, meta), hidden)
             finally:
                 decoder.layers_in_one_call = one_call
-            step_kinds.add(tuple(sorted({len(ids) > 1 for ids in inputs.token_ids})))
-            return logits
+            assert torch.equal(runner.kv_cache, cache_after)
+            starts, drafts = meta.query_start_loc_cpu, meta.num_drafts
+            kinds.update("decode" if b - a == 1 + d else "prompt" for a, b, d in zip(starts, starts[1:], drafts))
+            kinds.update(["drafts"] * any(drafts))
+            return hidden
 
-        runner.forward = forward_both_ways
+        decoder.forward = forward_both_ways
+        prompts = prompts or prompts_of_different_lengths()
         if dtype == "float32":
-            check_against_transformers(llm, hf_model, prompts_of_different_lengths())
+            check_against_transformers(llm, hf_model, prompts)
         else:
-            llm.generate(prompts_of_different_lengths(), GREEDY, use_tqdm=False)
-        assert {(False,), (False, True)} <= step_kinds, "no decode-only step, or no step with prompt rows in it"
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        return kinds

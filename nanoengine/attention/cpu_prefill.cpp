@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../layers/cpu_kernels.h"
 #include "../layers/cpu_simd.h"
 
 #ifdef __AVX512BF16__

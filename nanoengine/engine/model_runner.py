@@ -197,12 +197,12 @@ class ModelRunner:
                 layer.backend = self.backend
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         decoder = self.model.model
-        all_layers = decoder.layers
-        decoder.layers = all_layers[:num_layers]
+        all_layers, one_call = decoder.layers, decoder.layers_in_one_call
+        decoder.layers, decoder.layers_in_one_call = all_layers[:num_layers], None
         try:
             hidden = self.model(input_ids, torch.zeros_like(input_ids), meta)
         finally:
-            decoder.layers = all_layers
+            decoder.layers, decoder.layers_in_one_call = all_layers, one_call
         logits = self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)])
         if logits is not None:  # on rank 0
             logits.float()  # as sample_step takes them

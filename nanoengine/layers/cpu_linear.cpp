@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #if defined(__AVX512F__)
@@ -133,14 +134,17 @@ void last_rows(const Operands<T>& op, int64_t row, int64_t block, int64_t count,
   }
 }
 
-// The first row chunk reads the tile's weight from memory, each stream asking a few steps ahead. The second finds
-// it in L2 and asks for the next tile's instead (the same step of the block V on), so that the next tile's first
-// chunk finds its weight in L2 too: 16 rows 6.8 -> 6.0 ms, 32 rows 10.7 -> 10.1 ms for SmolLM2's linears on a
-// Zen 5, which multiplies twice as fast as it reads a weight from memory at 8 rows.
+// The first row chunk reads the tile's weight from memory, each stream asking a few steps ahead. The second
+// chunk (a whole one, or the last rows) finds it in L2 and asks for the next tile's instead (the same step of the
+// block V on), where a whole next tile follows and both tiles' weights fit in kSplitBytes (a core's L2 here): the
+// next tile's first chunk then finds its weight in L2 too. 16 rows 6.8 -> 6.0 ms, 32 rows 10.7 -> 10.1 ms for
+// SmolLM2's linears on a Zen 5, which at 8 rows multiplies twice as fast as it reads a weight from memory.
 template <typename T, int V>
 void blocks(const Operands<T>& op, int64_t block) {
-  const int64_t ahead = prefetch_steps(V) * kBlockStep<T>;
-  const int64_t next_tile = block + 2 * V <= op.outputs / kLanes ? V * op.steps * kBlockStep<T> : ahead;
+  const int64_t ahead = prefetch_steps(V) * kBlockStep<T>, tile_elements = V * op.steps * kBlockStep<T>;
+  const bool next_fits =
+      block + 2 * V <= op.outputs / kLanes && 2 * tile_elements * int64_t(sizeof(T)) <= kSplitBytes;
+  const int64_t next_tile = next_fits ? tile_elements : ahead;
   const auto ahead_at = [&](int64_t row) { return row == kRowsPerChunk ? next_tile : ahead; };
   int64_t row = 0;
   if constexpr (kRowsPerChunk * V <= kAccumulators)

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 namespace {
