@@ -77,6 +77,10 @@ class DecodePlan:
     seq_lens: torch.Tensor      # [num_rows] int32: the context each row sees (up to its own position)
     by_request: list[bool]      # per request: are its rows in the kernel's
 
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """What decode_attention takes after q and the caches."""
+        return self.block_tables, self.seq_lens, self.rows
+
 
 @dataclass
 class PrefillPlan:  # the other requests, for prefill_attention: int32, one entry per request
@@ -84,6 +88,10 @@ class PrefillPlan:  # the other requests, for prefill_attention: int32, one entr
     first_rows: torch.Tensor    # each prompt's first query row
     query_lens: torch.Tensor
     seq_lens: torch.Tensor
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """What prefill_attention takes after q and the caches."""
+        return self.block_tables, self.first_rows, self.query_lens, self.seq_lens
 
 
 class CpuBackend:
@@ -109,11 +117,9 @@ class CpuBackend:
             return out
         decodes, prompts = self.decode_plan(meta), self.prefill_plan(meta)
         if decodes is not None:
-            self.kernels.decode_attention(q, k_cache, v_cache, decodes.block_tables, decodes.seq_lens, decodes.rows,
-                                          scale, out)
+            self.kernels.decode_attention(q, k_cache, v_cache, *decodes.kernel_args(), scale, out)
         if prompts is not None:
-            self.kernels.prefill_attention(q, k_cache, v_cache, prompts.block_tables, prompts.first_rows,
-                                           prompts.query_lens, prompts.seq_lens, scale, out)
+            self.kernels.prefill_attention(q, k_cache, v_cache, *prompts.kernel_args(), scale, out)
         return out
 
     def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:

@@ -130,9 +130,7 @@ class LayersInOneCall:
         decodes, prompts = backend.decode_plan(meta), backend.prefill_plan(meta)
         hidden, residual = self.cpu_ops.decoder_layers(
             hidden, self.weights, self.caches, rotation.cos, rotation.sin, meta.slot_mapping,
-            [] if decodes is None else [decodes.block_tables, decodes.seq_lens, decodes.rows],
-            [] if prompts is None else [prompts.block_tables, prompts.first_rows, prompts.query_lens,
-                                        prompts.seq_lens],
+            () if decodes is None else decodes.kernel_args(), () if prompts is None else prompts.kernel_args(),
             attention.num_heads, attention.num_kv_heads, attention.attn.scale, self.eps)
         return hidden, residual
 
