@@ -31,6 +31,7 @@ import torch.multiprocessing
 from nanoengine.config import EngineConfig
 from nanoengine.distributed import another_client, connect_store, destroy_group, init_group, rank_device, start_stepping
 from nanoengine.engine.model_runner import ModelRunner, StepInputs
+from nanoengine.utils.gc_heap import freeze_startup_heap
 
 HEARTBEAT_INTERVAL_S = 0.5
 HEAD_SILENCE_S = 5.0  # a head whose store has not answered a heartbeat this long is gone
@@ -165,6 +166,7 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     try:
         control_group = init_group(store, rank, world_size, device)
         runner = ModelRunner(config, rank)
+        freeze_startup_heap()
         start_stepping()
         decoder = StepDecoder()
         while (message := receive_step(control_group)) is not None:

@@ -32,6 +32,7 @@ from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
 from nanoengine.serve.engine_core import run_headless_core
 from nanoengine.serve.metrics import Metrics
 from nanoengine.utils.default_model import default_model_path
+from nanoengine.utils.gc_heap import freeze_startup_heap
 
 ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
 SERVER_CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}  # vLLM's API server's, on the CPU
@@ -112,6 +113,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             http.should_exit = True
 
         client.on_death = on_signal
+        freeze_startup_heap()
         await http.serve()
     except asyncio.CancelledError:
         logger.info("interrupted while starting")

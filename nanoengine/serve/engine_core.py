@@ -29,6 +29,7 @@ from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.utils.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("nanoengine.serve")
 
@@ -149,6 +150,7 @@ def run(config: EngineConfig, socket: zmq.Socket, rank: int, front_watch, front_
         logger.error("engine core %d: the front refused this core: %s", rank, refusal)
         return 1
     engine = LLMEngine(config)
+    freeze_startup_heap()
     try:
         socket.send_pyobj(EngineCoreReady(engine.config.max_model_len, len(engine.block_manager.blocks)))
         serve_forever(engine, socket, front_watch, front_gone)
