@@ -101,8 +101,8 @@ def check_layers_in_one_call(folder: str, hf_model, dtype: str, prompts: list[li
     """With every linear layer on cpu_linear.cpp's kernel, each step's decoder layers run as one C++ call: every
     row's output and every KV cache entry the step writes are those of the layers' Python forward to the bit, and
     in float32 the tokens are transformers'. Returns the kinds of rows the steps had (decode, prompt, drafts)."""
-    with LLM(folder, dtype=dtype, max_model_len=256, max_num_batched_tokens=48, num_kvcache_blocks=64,
-             **options) as llm:
+    with LLM(folder, dtype=dtype, device="cpu", max_model_len=256, max_num_batched_tokens=48, num_kvcache_blocks=64,
+             **options) as llm:  # the CPU's path, on a GPU machine too
         keep_every_draft(llm.llm_engine)
         runner = llm.llm_engine.model_executor.runner
         assert runner.cpu_ops is not None, "the C++ kernels did not build: see the warning logged above"
