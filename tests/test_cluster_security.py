@@ -2,6 +2,7 @@
 fuzzed msgpack and messages out of turn by a rogue peer that never proved the cluster key; each is dropped and
 counted, and the server serves on. Plus the codec on its own, the key's rules, and a scan of the package."""
 
+import asyncio
 import os
 import pickle
 import re
@@ -18,9 +19,11 @@ from test_data_parallel import free_port
 from test_server import metric, wait_for
 
 from benchmarks.serve import running_server
+from nanoengine.config import EngineConfig
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanoengine.serve.cli import serve
+from nanoengine.serve.client import EngineCoreClient
 from nanoengine.serve.codec import (
     NONCE_BYTES,
     TO_CORE,
@@ -33,8 +36,11 @@ from nanoengine.serve.codec import (
     Hello,
     Proof,
     Ready,
+    mac,
     new_nonce,
+    proves,
 )
+from nanoengine.serve.engine_core import fingerprint
 
 DROPPED = "nanoengine:engine_core_frames_dropped_total"
 KEY = "a-test-cluster-key-of-32-bytes.."
@@ -112,6 +118,8 @@ def truncated(message) -> st.SearchStrategy[bytes]:
 
 # msgpack headers that claim far more than follows: a 4-billion-element array, map, str and bin.
 OVERSIZED_HEADERS = [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"]
+DEEP_HELLO = msgspec.msgpack.encode({"type": "Hello", "rank": 0, "nonce": b"n" * NONCE_BYTES,
+                                     "fingerprint": {"a": None}})[:-1] + b"\x91" * 100_000 + b"\xc0"  # nested 100k deep
 TO_CORE_MESSAGES = [Abort(["cmpl-1"]), EngineCoreRequest("cmpl-1", [1, 2], SamplingParams(), 0, 0.0)]
 FRAMES = st.one_of(
     st.binary(min_size=0, max_size=256).map(lambda b: [b]),
@@ -122,6 +130,7 @@ FRAMES = st.one_of(
     st.integers(0, 2 * NONCE_BYTES).filter(lambda n: n != NONCE_BYTES).map(  # a hello with a bad nonce
         lambda n: [msgspec.msgpack.encode({"type": "Hello", "rank": 0, "fingerprint": {}, "nonce": b"n" * n})]),
     st.lists(st.binary(max_size=16), min_size=2, max_size=4),  # several frames where one belongs
+    st.just([DEEP_HELLO]),
 )
 
 
@@ -157,6 +166,42 @@ def test_a_peer_with_a_wrong_key_is_refused_and_the_server_serves_on(cluster_ser
     assert len(challenge.nonce) == NONCE_BYTES
     assert "refused an engine core claiming rank 0: it did not prove the cluster key" in log_path.read_text()
     assert_serving(url)
+
+
+def test_an_admitted_core_may_send_only_what_its_state_expects(sharp_tiny_model):
+    """The front in this process, with no local core; the test plays a remote core that holds the key."""
+    config = EngineConfig(sharp_tiny_model[0], max_model_len=256, data_parallel_address=f"127.0.0.1:{free_port()}",
+                          data_parallel_size_local=0)
+    key, front, codec = KEY.encode(), Codec(TO_FRONT), Codec(TO_CORE)
+    stats = EngineStats(10, 10, 0, 0, 0, 0, 0, 0)
+
+    async def scenario():
+        client = EngineCoreClient(config, lambda rank, stats: None, key)
+        started = asyncio.ensure_future(client.start())
+        core = client.context.socket(zmq.DEALER)
+        core.connect(f"tcp://{config.data_parallel_address}")
+        hello = Hello(0, fingerprint(config), new_nonce())
+        await core.send(front.encode(hello))
+        challenge = codec.decode(await core.recv_multipart())
+        await core.send(front.encode(Proof(mac(key, "core", challenge.nonce, hello.nonce))))
+        admission = codec.decode(await core.recv_multipart())
+        assert admission.refusal is None and proves(key, admission.mac, "front", hello.nonce, challenge.nonce)
+        await core.send(front.encode(EngineCoreOutputs([], stats)))  # outputs before it is ready
+        await core.send(front.encode(Ready(256, 10)))
+        max_model_len = await asyncio.wait_for(started, 60)
+        for out_of_turn in (Ready(256, 10), hello, Proof(b"")):  # ready twice, a second handshake
+            await core.send(front.encode(out_of_turn))
+        await core.send(front.encode(EngineCoreOutputs([], stats)))
+        await asyncio.sleep(0.5)
+        try:
+            return max_model_len, client.dropped_frames, client.health()
+        finally:
+            client.close()
+            await asyncio.gather(client.reader, return_exceptions=True)  # its cancellation, awaited
+
+    max_model_len, dropped, health = asyncio.run(scenario())
+    assert max_model_len == 256 and dropped == 4
+    assert [(engine["state"], engine["num_requests"]) for engine in health] == [("ready", 0)]
 
 
 def test_the_codec_carries_requests_and_outputs_exactly_and_builds_nothing_else():
