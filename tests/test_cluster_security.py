@@ -23,12 +23,13 @@ from nanoengine.config import EngineConfig
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanoengine.serve.cli import serve
-from nanoengine.serve.client import EngineCoreClient
+from nanoengine.serve.client import MAX_HANDSHAKES, EngineCoreClient
 from nanoengine.serve.codec import (
     NONCE_BYTES,
     TO_CORE,
     TO_FRONT,
     Abort,
+    Challenge,
     Codec,
     EngineCoreFailed,
     EngineCoreOutputs,
@@ -192,15 +193,20 @@ def test_an_admitted_core_may_send_only_what_its_state_expects(sharp_tiny_model)
         for out_of_turn in (Ready(256, 10), hello, Proof(b"")):  # ready twice, a second handshake
             await core.send(front.encode(out_of_turn))
         await core.send(front.encode(EngineCoreOutputs([], stats)))
+        for _ in range(3 * MAX_HANDSHAKES):  # a flood of hellos from peers that never prove the key
+            flooder = client.context.socket(zmq.DEALER)
+            flooder.connect(f"tcp://{config.data_parallel_address}")
+            await flooder.send(front.encode(Hello(0, {}, new_nonce())))
+            assert isinstance(codec.decode([await asyncio.wait_for(flooder.recv(), 30)]), Challenge)
         await asyncio.sleep(0.5)
         try:
-            return max_model_len, client.dropped_frames, client.health()
+            return max_model_len, client.dropped_frames, client.health(), len(client.handshakes)
         finally:
             client.close()
             await asyncio.gather(client.reader, return_exceptions=True)  # its cancellation, awaited
 
-    max_model_len, dropped, health = asyncio.run(scenario())
-    assert max_model_len == 256 and dropped == 4
+    max_model_len, dropped, health, handshakes = asyncio.run(scenario())
+    assert max_model_len == 256 and dropped == 4 and handshakes == MAX_HANDSHAKES
     assert [(engine["state"], engine["num_requests"]) for engine in health] == [("ready", 0)]
 
 
