@@ -179,8 +179,9 @@ class EngineCoreClient:
         """Answer a hello with a nonce for the peer to sign with the cluster key."""
         if len(self.handshakes) >= MAX_HANDSHAKES:
             del self.handshakes[next(iter(self.handshakes))]
-        nonce = self.handshakes[identity] = hello, new_nonce()
-        await self.socket.send_multipart([identity, self.codec.encode(Challenge(nonce[1]))])
+        nonce = new_nonce()
+        self.handshakes[identity] = hello, nonce
+        await self.socket.send_multipart([identity, self.codec.encode(Challenge(nonce))])
 
     async def admit(self, identity: bytes, proof: Proof, connection: int) -> None:
         """Take a core that proved the cluster key under the rank it said hello with, or tell it why not."""
