@@ -3,13 +3,17 @@ calls (named, required) through structured outputs, "auto" through the hermes pa
 
 import json
 import shutil
+from typing import Literal
 
 import httpx
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
+from langchain_openai import ChatOpenAI
 from openai import BadRequestError, OpenAI
+from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
 from benchmarks.serve import running_server
@@ -280,3 +284,25 @@ def test_auto_with_a_template_that_does_not_render_tools_is_a_400(sharp_tiny_mod
         prompt(sharp_tiny_model[0], "auto")
     assert refused.value.param == "tools"
     assert prompt(sharp_tiny_model[0], "required") and prompt(hermes_model, "auto")
+
+
+class Weather(BaseModel):
+    """The weather in a city."""
+
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_langchain_bind_tools_round_trip_and_structured_output(client, server):
+    llm = ChatOpenAI(base_url=f"{server}/v1", api_key="none", model=client.models.list().data[0].id, temperature=0,
+                     max_tokens=60, max_retries=0)
+    question = HumanMessage("What is the weather in Paris?")
+    call_message = llm.bind_tools([Weather], tool_choice="Weather").invoke([question])
+    [call] = call_message.tool_calls
+    assert call["name"] == "Weather" and Weather.model_validate(call["args"])
+    streamed = sum(llm.bind_tools([Weather], tool_choice="Weather").stream([question]), start=AIMessageChunk(""))
+    assert [c["args"] for c in streamed.tool_calls] == [call["args"]]
+    answer = llm.bind_tools([Weather], tool_choice="none").invoke(
+        [question, call_message, ToolMessage('{"temperature": 21}', tool_call_id=call["id"])])
+    assert answer.content and not answer.tool_calls
+    assert isinstance(llm.with_structured_output(Weather, method="function_calling").invoke([question]), Weather)

@@ -208,8 +208,9 @@ def request_field(body: GenerationRequest, engine_field: str | None) -> str | No
 
 
 def validation_error_param(error: dict) -> str:
-    """A pydantic error's location as a dotted field path, without the union members it tried."""
-    return ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or p.isidentifier())
+    """A pydantic error's location as a dotted field path, without the union members it tried (``str``,
+    ``list[int]``, a model's class name)."""
+    return ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or p.isidentifier() and p[0].islower())
 
 
 def most_specific(errors: list[dict]) -> dict:
@@ -301,6 +302,12 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         return await server.respond(body, await asyncio.to_thread(server.engine_request, body), True, http)
+
+    from nanoengine.serve.responses import ResponsesRequest, create_response  # it builds on this module
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, http: Request):
+        return await create_response(server, body, http)
 
     app.include_router(v1)
 

@@ -131,8 +131,11 @@ class TextPart(Body):
     text: Text
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(utf8)]
+
+
 class FunctionDefinition(Body):
-    name: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(utf8)]
+    name: ToolName
     description: Text | None = None
     parameters: JsonObject | None = None  # a JSON schema; None takes no arguments
     strict: bool | None = None
