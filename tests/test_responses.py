@@ -9,6 +9,8 @@ import pytest
 from openai import OpenAI
 
 from benchmarks.serve import running_server
+from nanoengine.serve.responses import ResponseWriter
+from nanoengine.serve.tools import HermesCalls
 
 MAX_MODEL_LEN = 256
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -137,3 +139,23 @@ def test_what_is_not_served_is_a_400_naming_the_field(server, client, fields, pa
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
     assert client.responses.create(model=None, input="Hi", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_the_writer_closes_the_message_before_a_parsed_call_and_streams_what_it_returns_whole():
+    text = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    writer = ResponseWriter({"output": []}, HermesCalls(parallel=True))
+    events = writer.start()
+    for i in range(0, len(text), 4):
+        events += writer.write(text[i:i + 4], final=False)
+    events += writer.write("", final=True) + writer.finish("stop", {})
+    kinds = [e["type"] for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-8:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    message, call = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == "Let me look." == "".join(
+        e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (call["name"], json.loads(call["arguments"]), call["status"]) == ("get_weather", {"city": "Paris"},
+                                                                             "completed")
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1]
