@@ -6,7 +6,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from benchmarks.serve import running_server
 from nanoengine.serve.responses import ResponseWriter
@@ -139,6 +139,14 @@ def test_what_is_not_served_is_a_400_naming_the_field(server, client, fields, pa
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
     assert client.responses.create(model=None, input="Hi", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_chat_tool_choice_auto_on_a_server_without_a_tool_call_parser_is_a_400_naming_the_flags(client):
+    """(This module's server has no --tool-call-parser; tests/test_tools.py's has one.)"""
+    with pytest.raises(BadRequestError, match="--enable-auto-tool-choice --tool-call-parser") as refused:
+        client.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert refused.value.body["param"] == "tool_choice"
 
 
 def test_the_writer_closes_the_message_before_a_parsed_call_and_streams_what_it_returns_whole():

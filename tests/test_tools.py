@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
-from openai import BadRequestError, OpenAI
+from openai import OpenAI
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
@@ -264,13 +264,6 @@ def test_bad_tool_requests_get_400_naming_the_field_and_leave_the_server_serving
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
     assert chat(client, max_tokens=3)[2] == "length"
-
-
-def test_auto_without_a_tool_call_parser_is_a_400_naming_the_flags(sharp_tiny_model):
-    with pytest.raises(BadRequestError, match="--enable-auto-tool-choice --tool-call-parser"), running_server(
-            sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (_, url):
-        OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).chat.completions.create(
-            model=None, messages=ASK, tools=[WEATHER])
 
 
 def test_auto_with_a_template_that_does_not_render_tools_is_a_400(sharp_tiny_model, hermes_model):
