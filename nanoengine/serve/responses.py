@@ -9,9 +9,9 @@ its ``output_text``, and a ``function_call`` item per call; streamed, as the Res
 ``response.function_call_arguments.delta`` ... ``.done``, ``response.output_item.done``, then
 ``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` ran out).
 
-Nothing is stored: ``store`` is false (OpenAI's default is true; a request that asks for ``store: true``) is
-refused, as are ``previous_response_id`` and the other fields that need a stored response, a hosted tool or a
-reasoning model: each a 400 naming the field.
+Nothing is stored: a request that leaves ``store`` out is answered with ``store: false`` (OpenAI's default is
+true), and ``store: true`` is refused, as are ``previous_response_id`` and the other fields that need a stored
+response, a hosted tool or a reasoning model: each a 400 naming the field.
 """
 
 import asyncio
