@@ -21,7 +21,8 @@ rate and its bytes (all weights, every live token's K and V) over a read bandwid
 start, summed over the steps our engine ran; ``--rounds 2`` runs every engine twice, alternated, and
 keeps each one's faster run. ``structured`` runs the cpu preset's requests unconstrained
 and with a JSON schema each. ``serve`` starts ``nanoengine serve`` and measures it as ``vllm bench serve``
-does, at a light Poisson load and a saturating one; with ``--compare vllm`` it measures ``vllm serve``
+does, at a light Poisson load and a saturating one, then overloaded at 4x the capacity the saturating load
+measured (goodput, 429s, a canary's TTFT; benchmarks/overload.py); with ``--compare vllm`` it measures ``vllm serve``
 on the same requests too, at float32 and at bfloat16;
 ``serve-dp`` runs a multi-tenant workload on one engine core and on two, under each routing rule.
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 from benchmarks.common import Workload, device_name, make_requests, model_for, on_gpu, percentile
+from benchmarks.overload import print_overload_lines, run_overload
 from benchmarks.peers import VLLM_PYTHON, vllm_env
 
 # The two loads of the serve preset: Poisson arrivals per second, and how many requests.
@@ -87,6 +88,12 @@ def serve_preset(args) -> dict:
                     runs.append({"engine": engine, "dtype": dtype, "load": name} | result)
                     print(f"bench: {engine} {dtype} {name}: {result}", file=sys.stderr, flush=True)
                 runs[-1] |= asyncio.run(shared_system_prompt_twice(url))
+                if "saturated" in loads:  # then a multiple of the capacity that it measured
+                    saturated = next(r for r in reversed(runs) if r["load"] == "saturated")
+                    overload = asyncio.run(run_overload(url, workloads["saturated"], saturated["request_throughput"],
+                                                        len(loads)))
+                    runs.append({"engine": engine, "dtype": dtype, "load": "overload"} | overload)
+                    print(f"bench: {engine} {dtype} overload: {overload}", file=sys.stderr, flush=True)
     return {"preset": "serve", "model": model, "device": device_name("cuda" if on_gpu() else "cpu"),
             "max_concurrency": args.max_concurrency, "runs": runs}
 
@@ -188,8 +195,9 @@ SERVE_MEASURES = [("TTFT mean ms", "ttft_mean_ms", False), ("TTFT p99 ms", "ttft
 def print_serve_table(report: dict) -> None:
     print(f"\nserve preset on {report['device']} ({report['model']}), streamed completions, `vllm bench serve` "
           f"definitions; ratios are ours over vLLM with higher better")
-    runs = {(r["dtype"], r["load"], r["engine"]): r for r in report["runs"]}
-    engines = sorted({r["engine"] for r in report["runs"]}, key=["nanoengine", "vLLM"].index)
+    overloads = [r for r in report["runs"] if r["load"] == "overload"]
+    runs = {(r["dtype"], r["load"], r["engine"]): r for r in report["runs"] if r["load"] != "overload"}
+    engines = sorted({r["engine"] for r in runs.values()}, key=["nanoengine", "vLLM"].index)
     print(f"{'dtype':<10}{'load':<26}{'measure':<15}" + "".join(f"{e:>12}" for e in engines)
           + (f"{'ours/vLLM':>11}" if len(engines) > 1 else ""))
     for dtype, load, _ in dict.fromkeys(key[:2] + (None,) for key in runs):
@@ -206,3 +214,4 @@ def print_serve_table(report: dict) -> None:
             print(f"{run['engine']} {run['dtype']}: a repeated long system prompt's TTFT "
                   f"{run['shared_prompt_ttft_ms_first']:.0f} -> {run['shared_prompt_ttft_ms_second']:.0f} ms "
                   f"({run['shared_prompt_cache_hit_tokens_second']} cached tokens)")
+    print_overload_lines(overloads)

@@ -165,6 +165,22 @@ def test_serve_table_puts_both_engines_side_by_side_with_higher_is_better_ratios
     assert next(row for row in rows if "tok/s" in row).split()[-3:] == ["100.0", "200.0", "0.50x"]
 
 
+def test_the_serve_table_prints_the_overload_apart_from_the_other_loads(capsys):
+    from benchmarks.overload import print_overload_lines
+    from benchmarks.serve import print_serve_table
+
+    overload = {"engine": "nanoengine", "dtype": "float32", "load": "overload", "request_rate": 4.0,
+                "num_requests": 120, "seconds": 40.0, "good_within_s": 20.0, "goodput_rps": 1.0, "num_good": 40,
+                "num_finished": 50, "num_429": 70, "num_failed": 0, "canary_count": 20, "canary_refused": 2,
+                "canary_ttft_p50_ms": 900.0, "canary_ttft_max_ms": 4000.0, "canary_ttft_p99_ms": 3900.0}
+    print_serve_table({"device": "cpu", "model": "m", "runs": [overload]})
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "overload" in line]
+    assert "goodput 1.00 req/s (40 finished within 20 s, 50 in all), 70 refused (429), 0 failed" in line
+    assert "canary TTFT p50 900 ms, max 4000 ms (2 of 20 refused)" in line
+    print_overload_lines([overload | {"canary_ttft_p50_ms": None}])
+    assert "no canary served" in capsys.readouterr().out
+
+
 def test_serve_dp_tenants_share_a_system_prompt_under_their_own_salt_and_the_table_prints(capsys):
     requests = serve_dp.tenant_requests(40)
     prompts_by_salt: dict[str, list[list[int]]] = {}

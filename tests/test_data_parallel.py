@@ -110,8 +110,9 @@ def stream_events(client: OpenAI, prompt: str, max_tokens: int) -> list:
     return chunks
 
 
-def test_killing_one_core_fails_its_requests_and_the_other_keeps_serving_with_nothing_leaked(sharp_tiny_model):
-    with running_server(sharp_tiny_model[0], *FLAGS) as (server, url):
+def test_a_killed_core_fails_its_requests_is_down_in_metrics_comes_back_and_serves_and_a_crash_loop_exits_1(
+        sharp_tiny_model):
+    with running_server(sharp_tiny_model[0], *FLAGS, "--max-core-restarts", "1") as (server, url):
         client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
         async def two_streams():
@@ -128,17 +129,36 @@ def test_killing_one_core_fails_its_requests_and_the_other_keeps_serving_with_no
 
         doomed, survivor, family = asyncio.run(two_streams())
         health = httpx.get(f"{url}/health")
+        up_while_down = per_engine(url, "nanoengine:engine_up")
         after = client.completions.create(model=None, prompt="Still there?", max_tokens=4, **GREEDY)
         wait_for(lambda: per_engine(url, "nanoengine:kv_cache_usage_perc")["1"] == 0
                  and per_engine(url, "nanoengine:num_requests_running")["1"] == 0, "core 1 to free its blocks")
-        assert server.poll() is None  # the server lives on
+        wait_for(lambda: not any(alive(pid) for pid in family), "the dead core's processes to end")
+
+        wait_for(lambda: status(url) == "ok", "core 0 to come back")
+        generated = per_engine(url, "nanoengine:generation_tokens_total")
+        again = asyncio.run(both_cores_busy(url))
+        generated_again = per_engine(url, "nanoengine:generation_tokens_total")
+        up_again = per_engine(url, "nanoengine:engine_up")
+        [core_0, _] = httpx.get(f"{url}/health").json()["engines"]
+        os.kill(core_0["pid"], signal.SIGKILL)  # its second death in the window: the server gives up
+        assert server.wait(60) == 1
     assert "503" in str(doomed[-1]) or "died" in str(doomed[-1])
     assert survivor[-1].choices[0].finish_reason == "length" and len(survivor) >= 400
     assert after.usage.completion_tokens == 4
     assert health.status_code == 200 and health.json()["status"] == "degraded"
-    assert [e["state"] for e in health.json()["engines"]] == ["dead", "ready"]
-    assert "died with exit code -9" in health.json()["engines"][0]["why"]
-    wait_for(lambda: not any(alive(pid) for pid in family), "the dead core's processes to end")
+    engine_0 = health.json()["engines"][0]  # before its restart, or as it loads the model again
+    assert engine_0["state"] == "starting" or (engine_0["state"] == "restarting"
+                                               and "died with exit code -9" in engine_0["why"])
+    assert up_while_down == {"0": 0, "1": 1} and up_again == {"0": 1, "1": 1}
+    assert [r.usage.completion_tokens for r in again] == [24] * len(again)
+    assert generated_again["0"] > generated["0"]  # the new core 0 served
+
+
+async def both_cores_busy(url: str) -> list:
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    return await asyncio.gather(*(client.completions.create(model=None, prompt=p, max_tokens=24, **GREEDY)
+                                  for p in PROMPTS[:4]))
 
 
 def headless_core(model: str, address: str, key_file, *flags: str, stderr=None) -> subprocess.Popen:

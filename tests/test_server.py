@@ -248,7 +248,7 @@ def alive(pid: int) -> bool:
 
 def stream_in_background(url: str, events: list[str]) -> threading.Thread:
     """A long streamed completion whose SSE data lines land in ``events``."""
-    body = {"prompt": "Go on and on", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Go on and on", "max_tokens": 240, "ignore_eos": True, "stream": True}
 
     def read():
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
@@ -258,7 +258,7 @@ def stream_in_background(url: str, events: list[str]) -> threading.Thread:
 
     thread = threading.Thread(target=read)
     thread.start()
-    wait_for(lambda: events or metric(url, "nanoengine:num_requests_running") == 1, "the stream to start")
+    wait_for(lambda: events, "the stream's first token")  # the response starts with it
     return thread
 
 
@@ -267,7 +267,8 @@ def test_killing_the_engine_core_or_a_rank_fails_requests_naming_it_and_exits_le
         sharp_tiny_model, tmp_path, victim):
     log = tmp_path / "server.log"
     with log.open("w") as log_file, running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN),
-                                                   "--tensor-parallel-size", "2", log=log_file) as (server, url):
+                                                   "--tensor-parallel-size", "2", "--max-core-restarts", "0",
+                                                   log=log_file) as (server, url):
         events: list[str] = []
         stream = stream_in_background(url, events)
         family = descendants(server.pid)
@@ -301,13 +302,16 @@ def test_the_engine_core_exits_when_the_front_process_dies_and_removes_its_socke
     assert not socket_dir.exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_ends_in_flight_requests_and_stops_every_process(sharp_tiny_model, sig):
-    with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN)) as (server, url):
+@pytest.mark.parametrize("signals, flags", [([signal.SIGINT], ()), ([signal.SIGTERM], ("--shutdown-timeout", "0")),
+                                           ([signal.SIGTERM, signal.SIGTERM], ())])
+def test_a_signal_without_a_drain_ends_in_flight_requests_and_stops_every_process(sharp_tiny_model, signals, flags):
+    """SIGINT, SIGTERM with --shutdown-timeout 0, and a second SIGTERM during a drain all stop at once."""
+    with running_server(sharp_tiny_model[0], "--max-model-len", str(MAX_MODEL_LEN), *flags) as (server, url):
         events: list[str] = []
         stream = stream_in_background(url, events)
         family = descendants(server.pid)
-        server.send_signal(sig)
+        for sig in signals:
+            server.send_signal(sig)
         stream.join()
         assert server.wait(60) == 0
     assert "shutting down" in events[-2] and events[-1] == "data: [DONE]"

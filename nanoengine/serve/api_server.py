@@ -6,7 +6,9 @@ Each request is tokenized (chat template included) and fully validated here, by 
 in a worker thread, so that a long prompt never holds up /health or another client's stream; a body
 over ``max_request_bytes`` is refused with 413 before it is read whole. Every error, FastAPI's own
 404 and 405 included, has OpenAI's body. Accepted requests stream DELTA outputs back: the engine
-core detokenizes, because it already must to find stop strings.
+core detokenizes, because it already must to find stop strings. A response starts (its status sent) only
+with the request's first token, so a request refused by its core or past its queue deadline (see
+admission.py) gets a proper HTTP error, streamed or not.
 """
 
 import asyncio
@@ -25,6 +27,7 @@ from starlette.exceptions import HTTPException
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.serve.admission import Admission, AdmissionGate, AdmissionLimits, Ticket
 from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
 from nanoengine.serve.engine_core import EngineCoreRequest
 from nanoengine.serve.metrics import Metrics
@@ -35,6 +38,8 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its clie
 
 
 class APIError(Exception):
+    headers: dict[str, str] | None = None
+
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
@@ -47,6 +52,12 @@ def engine_gone(why: str) -> APIError:
     return APIError(503, why, kind="service_unavailable")
 
 
+def overloaded(why: str, retry_after: int) -> APIError:
+    error = APIError(429, f"the server is overloaded: {why}; retry later", kind="rate_limit_exceeded")
+    error.headers = {"retry-after": str(retry_after)}
+    return error
+
+
 class RequestValidator(LLMEngine):
     """LLMEngine's request checks (``make_request``) with a tokenizer and the config but no model."""
 
@@ -56,9 +67,10 @@ class RequestValidator(LLMEngine):
 
 class OpenAIServer:
     def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
-                 metrics: Metrics, tool_call_parser: str | None = None):
+                 metrics: Metrics, tool_call_parser: str | None = None, admission: Admission | None = None):
         self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
         self.tool_call_parser = tool_call_parser  # for tool_choice "auto" (None: refused)
+        self.admission = admission or Admission(AdmissionLimits(0, 0, 0))
         self.generation_defaults = validator.config.default_sampling_params()
         self.shutting_down = False
 
@@ -66,6 +78,13 @@ class OpenAIServer:
         """Refuse new requests and end the running ones (the engine core aborts them)."""
         self.shutting_down = True
         self.client.fail_all(EngineUnavailableError("the server is shutting down"))
+
+    async def admit(self, body: GenerationRequest, http: Request) -> EngineCoreRequest:
+        """The request tokenized and counted as waiting, or a 429 when its prompt would overfill the queue."""
+        request = await asyncio.to_thread(self.engine_request, body)
+        if why := self.admission.add_tokens(http.state.admission, len(request.prompt_token_ids)):
+            raise overloaded(why, self.admission.retry_after())
+        return request
 
     def engine_request(self, body: GenerationRequest) -> EngineCoreRequest:
         """The request validated and tokenized (slow for a long prompt: called in a worker thread)."""
@@ -121,11 +140,12 @@ class OpenAIServer:
         forced = tool_use and tool_use.structured_outputs()
         return params if forced is None else replace(params, structured_outputs=forced)
 
-    async def outputs(self, request: EngineCoreRequest):
+    async def outputs(self, request: EngineCoreRequest, ticket: Ticket):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
         last_token_time = None
         try:
             async for engine, output in self.client.generate(request):
+                self.admission.started(ticket)
                 output.prompt_token_ids = request.prompt_token_ids  # the engine core leaves them out
                 self.metrics.record_output(engine, output, last_token_time)
                 last_token_time = output.metrics.last_token_time
@@ -138,22 +158,30 @@ class OpenAIServer:
     async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool, http: Request):
         base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}
         tool_use = self.tool_use(body)
+        outputs = self.outputs(request, http.state.admission)
+        first = await until_disconnected(self.first_output(outputs, http.state.admission), http)
+        if first is None:
+            return Response(status_code=499)  # "client closed request": nobody reads it
+        outputs = prepend(first, outputs)
         if body.stream:  # a client that hangs up closes the stream, and with it the request
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.sse(base, request, chat, include_usage, tool_use),
+            return StreamingResponse(self.sse(base, request, chat, include_usage, outputs, tool_use),
                                      media_type="text/event-stream")
-        reply = asyncio.ensure_future(self.whole_reply(base, request, chat, tool_use))
-        while not reply.done():
-            if await http.is_disconnected():
-                reply.cancel()  # EngineCoreClient.generate then aborts the request in the engine core
-                return Response(status_code=499)  # "client closed request": nobody reads it
-            await asyncio.wait([reply], timeout=DISCONNECT_POLL_S)
-        return reply.result()
+        reply = await until_disconnected(self.whole_reply(base, request, chat, outputs, tool_use), http)
+        return Response(status_code=499) if reply is None else reply
 
-    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool,
+    async def first_output(self, outputs, ticket: Ticket):
+        """The request's first output, or a 503 once it waited past --max-queue-seconds (then it is aborted)."""
+        try:
+            return await asyncio.wait_for(anext(outputs), self.admission.seconds_left(ticket))
+        except asyncio.TimeoutError:
+            raise engine_gone(f"the request waited {self.admission.limits.max_queue_seconds:g} s without starting "
+                              f"(--max-queue-seconds): the server is overloaded; retry later") from None
+
+    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool, outputs,
                           tool_use: ToolUse | None = None) -> dict:
         text, token_ids, logprobs, output = "", [], [], None
-        async for output in self.outputs(request):
+        async for output in outputs:
             completion = output.outputs[0]
             text, token_ids = text + completion.text, token_ids + completion.token_ids
             logprobs += completion.logprobs or []
@@ -164,7 +192,7 @@ class OpenAIServer:
         return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": usage(len(request.prompt_token_ids), len(token_ids), output.num_cached_tokens)}
 
-    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool,
+    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool, outputs,
                   tool_use: ToolUse | None = None):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
         shaper = tool_use and tool_use.chunk_shaper()
@@ -174,7 +202,7 @@ class OpenAIServer:
             if chat:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield sse_event({**base, "choices": [first], **extra})
-            async for output in self.outputs(request):
+            async for output in outputs:
                 completion = output.outputs[0]
                 num_tokens += len(completion.token_ids)
                 num_cached_tokens = output.num_cached_tokens
@@ -189,6 +217,24 @@ class OpenAIServer:
         except APIError as error:
             yield sse_event(error.body())
         yield "data: [DONE]\n\n"
+
+
+async def until_disconnected(awaitable, http: Request):
+    """What ``awaitable`` gives, or None once the client has gone (then it is cancelled, which aborts the
+    request in its engine core)."""
+    task = asyncio.ensure_future(awaitable)
+    while not task.done():
+        if await http.is_disconnected():
+            task.cancel()
+            return None
+        await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+    return task.result()
+
+
+async def prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
 
 
 def request_field(body: GenerationRequest, engine_field: str | None) -> str | None:
@@ -281,6 +327,7 @@ def sse_event(payload: dict) -> str:
 def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int) -> FastAPI:
     app = FastAPI(title="nanoengine")
     app.add_middleware(BodySizeLimit, limit=max_request_bytes)
+    app.add_middleware(AdmissionGate, admission=server.admission)  # the outer one: refuses before reading
 
     def check_api_key(request: Request) -> None:
         given = request.headers.get("authorization", "")
@@ -297,11 +344,11 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, http: Request):
-        return await server.respond(body, await asyncio.to_thread(server.engine_request, body), False, http)
+        return await server.respond(body, await server.admit(body, http), False, http)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        return await server.respond(body, await asyncio.to_thread(server.engine_request, body), True, http)
+        return await server.respond(body, await server.admit(body, http), True, http)
 
     from nanoengine.serve.responses import ResponsesRequest, create_response  # it builds on this module
 
@@ -313,12 +360,21 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
 
     @app.get("/health")
     async def health():
-        """200 while any engine core serves ("degraded" when some are dead), else 503; each core's state."""
+        """Liveness: 200 while any engine core serves or is being restarted ("degraded" unless all serve), else
+        503; each core's state."""
         engines = server.client.health()
         serving = sum(engine["state"] == "ready" for engine in engines)
-        status = ("unavailable" if server.shutting_down or not serving
+        alive = sum(engine["state"] != "dead" for engine in engines)
+        status = ("unavailable" if server.shutting_down or not alive
                   else "ok" if serving == len(engines) else "degraded")
         return JSONResponse({"status": status, "engines": engines}, status_code=503 if status == "unavailable" else 200)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 503 while the queue is full, the server drains or no engine core serves; else 200."""
+        serving = sum(engine["state"] == "ready" for engine in server.client.health())
+        is_ready, why = server.admission.readiness(serving)
+        return JSONResponse(why, status_code=200 if is_ready else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -326,7 +382,7 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, error: RequestValidationError):

@@ -2,11 +2,14 @@
 
 The front process (this one) validates the options, starts the engine-core processes
 (``--data-parallel-size``, each with its own KV cache), and serves HTTP once every core has loaded
-the model. SIGINT or SIGTERM ends in-flight requests and stops the engine cores; if every engine core
-dies, the server exits with code 1. ``--headless`` runs one engine core that joins a front on another
-node (``--data-parallel-rank R --data-parallel-address HOST:PORT``) instead of serving HTTP. The front and
-its cores prove to each other that they hold the cluster key (``--cluster-key-file`` or
-``$NANOENGINE_CLUSTER_KEY``), which a data-parallel address other than loopback requires.
+the model. SIGTERM drains (``--shutdown-timeout``: no new requests, in-flight ones may finish), then ends
+what is left and stops the engine cores; SIGINT, a second signal, or ``--shutdown-timeout 0`` does so at
+once. A local engine core that dies is started again (``--max-core-restarts``); if the front gives up on
+them, or every engine core is gone, the server exits with code 1. ``--headless`` runs one engine core that
+joins a front on another node (``--data-parallel-rank R --data-parallel-address HOST:PORT``) instead of
+serving HTTP. The front and its cores prove to each other that they hold the cluster key
+(``--cluster-key-file`` or ``$NANOENGINE_CLUSTER_KEY``), which a data-parallel address other than loopback
+requires. docs/operations.md explains the caps, probes, drain and supervision; docs/security.md the key.
 """
 
 import argparse
@@ -17,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import types
 import typing
 from dataclasses import MISSING, fields
@@ -29,9 +33,11 @@ from nanoengine import prefix_report
 from nanoengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from nanoengine.distributed import env_rank, ip_addresses
 from nanoengine.engine.worker import run_node
+from nanoengine.serve.admission import Admission, AdmissionLimits
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
 from nanoengine.serve.engine_core import run_headless_core
+from nanoengine.serve.limits import connection_limit, filter_repeats, raise_open_file_limit
 from nanoengine.serve.metrics import Metrics
 from nanoengine.serve.tools import TOOL_CALL_PARSERS
 from nanoengine.utils.default_model import default_model_path
@@ -41,6 +47,7 @@ ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model
 SERVER_CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}  # vLLM's API server's, on the CPU
 CLUSTER_KEY_VARIABLE = "NANOENGINE_CLUSTER_KEY"
 MIN_CLUSTER_KEY_BYTES = 16
+WAITING_TOKENS_IN_STEPS = 8  # the default token cap: this many full steps (max_num_batched_tokens) of prompts
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="refuse (413) a request body larger than this (default: 4 MiB)")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        help="refuse (429) new requests while this many wait for their first token; 0 = no limit "
+                             "(default: max_num_seqs, one more batch)")
+    parser.add_argument("--max-waiting-tokens", type=int,
+                        help="refuse (429) a request whose prompt would take the tokens waiting past this; 0 = no "
+                             f"limit (default: {WAITING_TOKENS_IN_STEPS} x max_num_batched_tokens)")
+    parser.add_argument("--max-queue-seconds", type=float, default=0,
+                        help="end (503) a request that got no first token within this many seconds; 0 = never "
+                             "(default: 0)")
+    parser.add_argument("--shutdown-timeout", type=float, default=20,
+                        help="on SIGTERM, let in-flight requests finish for up to this many seconds; 0 = end them "
+                             "at once (default: 20, within Kubernetes' 30 s grace period)")
+    parser.add_argument("--max-core-restarts", type=int, default=3,
+                        help="start a local engine core that died again, up to this many times in 10 minutes, then "
+                             "exit with code 1; 0 = never (default: 3)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='serve tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
@@ -106,35 +128,81 @@ class HTTPServer(uvicorn.Server):
         yield  # run_server handles the signals for the server's whole life, startup included
 
 
+def admission_limits(args: argparse.Namespace, config: EngineConfig) -> AdmissionLimits:
+    requests, tokens = args.max_waiting_requests, args.max_waiting_tokens
+    for flag, value in (("--max-waiting-requests", requests), ("--max-waiting-tokens", tokens),
+                        ("--max-queue-seconds", args.max_queue_seconds), ("--shutdown-timeout", args.shutdown_timeout),
+                        ("--max-core-restarts", args.max_core_restarts)):
+        if value is not None and value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0 = no limit), got {value}")
+    return AdmissionLimits(config.max_num_seqs if requests is None else requests,
+                           WAITING_TOKENS_IN_STEPS * config.max_num_batched_tokens if tokens is None else tokens,
+                           args.max_queue_seconds)
+
+
+class Shutdown:
+    """SIGTERM drains: new requests get 503 and /ready says so, in-flight ones may finish within
+    ``timeout_s``; then (or on SIGINT, a second signal, or the engine cores' end) what is left ends at once."""
+
+    def __init__(self, server: OpenAIServer, http: uvicorn.Server, timeout_s: float):
+        self.server, self.http, self.timeout_s = server, http, timeout_s
+        self.drain: asyncio.Task | None = None
+
+    def on_signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM and self.timeout_s > 0 and self.drain is None:
+            self.drain = asyncio.ensure_future(self.drain_then_stop())
+        else:
+            self.now()
+
+    async def drain_then_stop(self) -> None:
+        admission = self.server.admission
+        admission.draining = True
+        logger.info("draining: %d requests in flight, given up to %g s (--shutdown-timeout)", len(admission.tickets),
+                    self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while admission.tickets and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if admission.tickets:
+            logger.warning("drained for %g s; ending the %d requests left", self.timeout_s, len(admission.tickets))
+        self.now()
+
+    def now(self) -> None:
+        self.server.admission.draining = True
+        self.server.stop()
+        self.http.should_exit = True
+
+
 async def run_server(args: argparse.Namespace, config: EngineConfig, cluster_key: bytes) -> int:
     loop = asyncio.get_running_loop()
-    on_signal = asyncio.current_task().cancel  # while the model loads; then a graceful stop
+    on_signal = asyncio.current_task().cancel  # while the model loads (given the signal as its message)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: on_signal())
+        loop.add_signal_handler(sig, lambda sig=sig: on_signal(sig))
+    open_files = raise_open_file_limit()
     name = Path(config.model).name
     metrics = Metrics(name)
-    client = EngineCoreClient(config, metrics.record_stats, cluster_key)
+    client = EngineCoreClient(config, metrics.record_stats, cluster_key, args.max_core_restarts)
     client.on_dropped_frame = metrics.dropped_frames.labels(name).inc
+    client.on_core_up = metrics.record_engine_up
     try:
         validator = RequestValidator(config)
         validator.config.max_model_len = await client.start()
         server = OpenAIServer(client, validator, [name, config.model], metrics,
-                              args.tool_call_parser if args.enable_auto_tool_choice else None)
+                              args.tool_call_parser if args.enable_auto_tool_choice else None,
+                              Admission(admission_limits(args, config)))
         app = create_app(server, args.api_key, args.max_request_bytes)
-        http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S))
-
-        def on_signal():
-            server.stop()
-            http.should_exit = True
-
-        client.on_death = on_signal
+        http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S,
+                                         limit_concurrency=connection_limit(open_files)))
+        filter_repeats("uvicorn", "uvicorn.access")
+        shutdown = Shutdown(server, http, args.shutdown_timeout)
+        on_signal = shutdown.on_signal
+        client.on_death = shutdown.now
         freeze_startup_heap()
         await http.serve()
     except asyncio.CancelledError:
         logger.info("interrupted while starting")
     finally:
         client.close()
-    return 1 if client.dead else 0
+    return 1 if client.dead or client.gave_up else 0
 
 
 def serve(argv: list[str] | None = None) -> int:
@@ -146,6 +214,7 @@ def serve(argv: list[str] | None = None) -> int:
     try:
         options = with_server_defaults(engine_options(args))
         config = EngineConfig.from_options(args.model or default_model_path(), options)
+        admission_limits(args, config)
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
     if config.nnodes > 1:

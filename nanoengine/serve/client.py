@@ -6,8 +6,9 @@ Every core talks to one ROUTER socket (ipc for the local cores, TCP at ``data_pa
 request's queue, so a slow HTTP client only ever delays its own queue. A core dies when its process exits
 (the event loop watches each local core's sentinel) or when a remote core's connection drops (ZMQ's
 heartbeats notice a silent node within seconds). Its requests then get ``EngineUnavailableError`` at
-once and the other cores keep serving; a dead core is not restarted (a remote one may join again under
-its rank). When no core is left, ``dead`` says why and ``on_death`` runs.
+once and the other cores keep serving. A dead local core is started again under ``RestartPolicy``
+(supervisor.py); a remote one may join again under its rank. When no core is left and none will be
+restarted, or the policy gives up, ``dead`` or ``gave_up`` says why and ``on_death`` runs.
 
 The reader trusts no frame (codec.py has the protocol): a peer that has not proved the cluster key may only
 say hello and answer its challenge, an admitted core may only send what its state expects, and a frame that
@@ -51,6 +52,7 @@ from nanoengine.serve.codec import (
 )
 from nanoengine.serve.engine_core import HEARTBEAT_MS, fingerprint, run_engine_core
 from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
+from nanoengine.serve.supervisor import RestartPolicy
 
 logger = logging.getLogger("nanoengine.serve")
 STOP_TIMEOUT_S = 30  # how long a stopping engine core may take to close before it is killed
@@ -69,10 +71,13 @@ class EngineCore(CoreLoad):
     connection: int | None = None  # that peer's file descriptor, which names it in disconnection events
     ready: bool = False
     dead: str | None = None  # why it is gone, once it is
+    restart_delay: float | None = None  # once dead: seconds until it is started again, if it will be
 
     @property
     def state(self) -> str:
-        return "dead" if self.dead else "ready" if self.ready else "starting"
+        if self.dead:
+            return "dead" if self.restart_delay is None else "restarting"
+        return "ready" if self.ready else "starting"
 
     def describe(self) -> str:
         where = f"pid {self.process.pid}" if self.process else "remote"
@@ -80,13 +85,18 @@ class EngineCore(CoreLoad):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[int, EngineStats], None], cluster_key: bytes = b""):
+    def __init__(self, config: EngineConfig, on_stats: Callable[[int, EngineStats], None], cluster_key: bytes = b"",
+                 max_core_restarts: int = 0):
         self.config, self.on_stats, self.cluster_key = config, on_stats, cluster_key
         self.on_death: Callable[[], None] = lambda: None
         self.on_dropped_frame: Callable[[], None] = lambda: None
+        self.on_core_up: Callable[[int, bool], None] = lambda rank, up: None
         self.codec = Codec(TO_FRONT)
         self.handshakes: dict[bytes, tuple[Hello, bytes]] = {}  # peer -> its hello and the nonce it must sign
         self.dropped_frames, self.next_drop_log = 0, 0.0
+        self.restarts = RestartPolicy(max_core_restarts)
+        self.gave_up: str | None = None  # why the front stopped restarting its cores, once it did
+        self.closing = False
         self.queues: dict[str, asyncio.Queue] = {}
         self.router = Router(config.data_parallel_routing)
         self.cores = [EngineCore(rank) for rank in range(config.data_parallel_size)]
@@ -99,21 +109,26 @@ class EngineCoreClient:
         self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         for option, value in HEARTBEAT_MS.items():
             self.socket.setsockopt(option, value)
-        local_address = f"ipc://{self.socket_dir.name}/engines"
-        self.socket.bind(local_address)
+        self.local_address = f"ipc://{self.socket_dir.name}/engines"
+        self.socket.bind(self.local_address)
         if config.data_parallel_address is not None:
             self.socket.bind(f"tcp://{config.data_parallel_address}")
-        spawn = multiprocessing.get_context("spawn")
         for core in self.cores[:config.data_parallel_size_local]:
-            core.process = spawn.Process(target=run_engine_core, args=(config, local_address, core.rank, cluster_key),
-                                         name=f"nanoengine-core-{core.rank}")
-            core.process.start()
-            logger.info("engine core %d started (pid %d)", core.rank, core.process.pid)
+            self.start_local(core)
+
+    def start_local(self, core: EngineCore) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        core.process = spawn.Process(target=run_engine_core,
+                                     args=(self.config, self.local_address, core.rank, self.cluster_key),
+                                     name=f"nanoengine-core-{core.rank}")
+        core.process.start()
+        logger.info("engine core %d started (pid %d)", core.rank, core.process.pid)
 
     @property
     def dead(self) -> str | None:
-        """Why no core can serve, once none can."""
-        return "; ".join(core.dead for core in self.cores) if all(core.dead for core in self.cores) else None
+        """Why no core can serve, once none can (or will again)."""
+        gone = all(core.dead and core.restart_delay is None for core in self.cores)
+        return "; ".join(core.dead for core in self.cores) if gone else None
 
     async def start(self) -> int:
         """Wait until every core has loaded the model; returns the max_model_len that all of them take."""
@@ -217,6 +232,7 @@ class EngineCoreClient:
         core.ready, core.capacity = True, ready.num_kvcache_blocks
         self.config.max_model_len = min(self.config.max_model_len, ready.max_model_len)
         logger.info("engine core %d ready (%d KV-cache blocks)", core.rank, ready.num_kvcache_blocks)
+        self.on_core_up(core.rank, True)
         if all(c.ready for c in self.cores) and not self.all_ready.done():
             self.all_ready.set_result(self.config.max_model_len)
 
@@ -236,6 +252,16 @@ class EngineCoreClient:
         self.kill_process_group(core.process)
         if not core.dead:  # else it said why before it exited
             self.core_died(core, f"{core.describe()} died with exit code {core.process.exitcode}")
+        if core.restart_delay is not None:
+            asyncio.get_running_loop().call_later(core.restart_delay, self.restart, core)
+
+    def restart(self, core: EngineCore) -> None:
+        if self.closing or self.gave_up:
+            return
+        core.identity = core.connection = core.restart_delay = core.dead = None
+        core.ready, core.num_running = False, 0
+        self.start_local(core)
+        asyncio.get_running_loop().add_reader(core.process.sentinel, self.core_exited, core)
 
     def core_died(self, core: EngineCore, why: str) -> None:
         if not self.all_ready.done():
@@ -251,6 +277,14 @@ class EngineCoreClient:
         for request_id in core.request_ids:
             self.queues[request_id].put_nowait(EngineUnavailableError(why))
         core.recent_hashes.clear()
+        self.on_core_up(core.rank, False)
+        if core.process is not None and self.restarts.max_restarts and not self.closing:
+            core.restart_delay = self.restarts.after_death()
+            if core.restart_delay is None:
+                self.gave_up = self.restarts.describe()
+                logger.error("%s: giving up", self.gave_up)
+                return self.on_death()
+            logger.warning("restarting engine core %d in %g s", core.rank, core.restart_delay)
         if self.dead:
             self.on_death()
 
@@ -294,6 +328,7 @@ class EngineCoreClient:
         """Stop the local cores (each closes its tensor-parallel workers), then sweep their process groups; the
         remote ones see the connection drop and stop themselves."""
         loop = asyncio.get_running_loop()
+        self.closing = True
         local = [core.process for core in self.cores if core.process is not None]
         for process in local:
             loop.remove_reader(process.sentinel)  # from here on, its end is expected

@@ -2,7 +2,8 @@
 
 Gauges and engine-wide counters come from each engine core's stats snapshot after each step;
 per-request figures (tokens, TTFT, inter-token latency, end-to-end latency) from the outputs,
-using the engine core's timestamps.
+using the engine core's timestamps. ``engine_up`` is 1 while a core serves and 0 while it is dead or
+restarting; a dead core's gauges read 0, and its counters go on from where they were when it comes back.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,6 +25,7 @@ class Metrics:
             return kind(f"nanoengine:{name}", doc, ["model_name", "engine", *extra_labels], registry=self.registry,
                         **kwargs)
 
+        self.engine_up = metric(Gauge, "engine_up", "1 while the engine core serves, 0 while it is dead or restarting")
         self.running = metric(Gauge, "num_requests_running", "Requests in the running queue")
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests in the waiting queue")
         self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
@@ -57,6 +59,14 @@ class Metrics:
         for counter, new, old in zip(counters, totals, self.last_totals.get(engine, (0,) * len(totals))):
             counter.labels(*labels).inc(new - old)
         self.last_totals[engine] = totals
+
+    def record_engine_up(self, engine: int, up: bool) -> None:
+        labels = self.model_name, str(engine)
+        self.engine_up.labels(*labels).set(int(up))
+        if not up:
+            for gauge in (self.running, self.waiting, self.kv_usage):
+                gauge.labels(*labels).set(0)
+            self.last_totals.pop(engine, None)  # a restarted core counts from 0 again
 
     def record_output(self, engine: int, output: RequestOutput, previous_token_time: float | None) -> None:
         """One DELTA output; ``previous_token_time`` is the last token time of the request's previous output."""

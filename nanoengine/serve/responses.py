@@ -14,7 +14,6 @@ true), and ``store: true`` is refused, as are ``previous_response_id`` and the o
 response, a hosted tool or a reasoning model: each a 400 naming the field.
 """
 
-import asyncio
 import copy
 import json
 import time
@@ -26,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from nanoengine.sampling_params import INT64_MAX
-from nanoengine.serve.api_server import APIError, OpenAIServer
+from nanoengine.serve.api_server import APIError, OpenAIServer, prepend, until_disconnected
 from nanoengine.serve.protocol import (
     Body,
     ChatCompletionRequest,
@@ -36,8 +35,6 @@ from nanoengine.serve.protocol import (
     Text,
     ToolName,
 )
-
-DISCONNECT_POLL_S = 0.5
 
 
 class InputText(Body):
@@ -279,30 +276,31 @@ def new_response(body: ResponsesRequest, chat: ChatCompletionRequest, server, pa
 
 
 async def create_response(server: OpenAIServer, body: ResponsesRequest, http: Request):
-    """The route: the request checked and queued as a chat request, answered as a Response (or its events)."""
+    """The route: the request checked, admitted and queued as a chat request, answered as a Response (or its
+    events)."""
     body.check_served()
     try:
         chat = body.to_chat()
-        request = await asyncio.to_thread(server.engine_request, chat)
+        request = await server.admit(chat, http)
         tool_use = server.tool_use(chat)
     except APIError as error:
         raise renamed(error) from None
     writer = ResponseWriter(new_response(body, chat, server, request.params), tool_use and tool_use.extractor())
+    outputs = server.outputs(request, http.state.admission)
+    first = await until_disconnected(server.first_output(outputs, http.state.admission), http)
+    if first is None:
+        return Response(status_code=499)  # the client has gone: nobody reads it
+    outputs = prepend(first, outputs)
     if body.stream:
-        return StreamingResponse(sse(server, request, writer), media_type="text/event-stream")
-    reply = asyncio.ensure_future(drain(server, request, writer))
-    while not reply.done():
-        if await http.is_disconnected():
-            reply.cancel()  # the engine core then aborts the request
-            return Response(status_code=499)
-        await asyncio.wait([reply], timeout=DISCONNECT_POLL_S)
-    return reply.result()
+        return StreamingResponse(sse(request, writer, outputs), media_type="text/event-stream")
+    reply = await until_disconnected(drain(request, writer, outputs), http)
+    return Response(status_code=499) if reply is None else reply
 
 
-async def events(server, request, writer: ResponseWriter):
+async def events(request, writer: ResponseWriter, outputs):
     yield writer.start()
     num_tokens = num_cached_tokens = 0
-    async for output in server.outputs(request):
+    async for output in outputs:
         completion = output.outputs[0]
         num_tokens += len(completion.token_ids)
         num_cached_tokens = output.num_cached_tokens
@@ -314,15 +312,15 @@ async def events(server, request, writer: ResponseWriter):
         "total_tokens": num_prompt_tokens + num_tokens})
 
 
-async def drain(server, request, writer: ResponseWriter) -> dict:
-    async for _ in events(server, request, writer):
+async def drain(request, writer: ResponseWriter, outputs) -> dict:
+    async for _ in events(request, writer, outputs):
         pass
     return writer.response
 
 
-async def sse(server, request, writer: ResponseWriter):
+async def sse(request, writer: ResponseWriter, outputs):
     try:
-        async for batch in events(server, request, writer):
+        async for batch in events(request, writer, outputs):
             for event in batch:
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
     except APIError as error:

@@ -1,0 +1,150 @@
+"""Admission control in the front: how many requests and prompt tokens may wait, how long, and whether the
+server is ready for more.
+
+A request waits from the moment the front takes it (while it is tokenized, in an engine core's waiting
+queue, through its prefill) until its first token: that is the wait a client sees. The front counts every
+waiting request and, once tokenized, its prompt tokens. ``AdmissionGate`` refuses a generation request
+before its body is read while the queue is full (429, with ``Retry-After``) or the server drains (503),
+so a flood costs the front almost nothing; ``Admission.add_tokens`` refuses one whose prompt would take
+the waiting tokens past their cap (429), before it reaches an engine core. A request that gets no first
+token within ``max_queue_seconds`` is aborted in its core and answered 503 (``OpenAIServer.respond``
+waits for the first token before it starts a stream, so nothing is ever half-streamed).
+
+The deadline is enforced here rather than in the engine core's scheduler: one clock (a remote core's may
+differ), one place that covers both queues (the front's tokenizer threads and the core's waiting queue),
+and no change to the front<->core protocol; the abort frees the request's slot and blocks in the core.
+"""
+
+import json
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+RETRY_AFTER_MAX_S = 60
+RECENT_STARTS = 32  # first tokens remembered to estimate how often a queued request leaves the queue
+
+
+@dataclass
+class AdmissionLimits:
+    max_waiting_requests: int  # 0 = unbounded
+    max_waiting_tokens: int  # 0 = unbounded
+    max_queue_seconds: float  # 0 = no deadline
+
+
+@dataclass(eq=False)  # one per request: compared (and hashed) by identity
+class Ticket:
+    """One request from the gate to the end of its response."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    num_tokens: int = 0
+    waiting: bool = True
+
+
+class Admission:
+    def __init__(self, limits: AdmissionLimits):
+        self.limits = limits
+        self.tickets: set[Ticket] = set()  # every request in flight, waiting or not
+        self.num_waiting = self.num_waiting_tokens = 0
+        self.recent_starts: deque[float] = deque(maxlen=RECENT_STARTS)
+        self.draining = False
+
+    def full(self) -> str | None:
+        """Why the queue takes no more requests, while it does not."""
+        requests, tokens = self.limits.max_waiting_requests, self.limits.max_waiting_tokens
+        if requests and self.num_waiting >= requests:
+            return f"{self.num_waiting} requests are waiting, the server's limit (--max-waiting-requests {requests})"
+        if tokens and self.num_waiting_tokens >= tokens:
+            return (f"{self.num_waiting_tokens} prompt tokens are waiting, the server's limit (--max-waiting-tokens "
+                    f"{tokens})")
+        return None
+
+    def enter(self) -> Ticket:
+        ticket = Ticket()
+        self.tickets.add(ticket)
+        self.num_waiting += 1
+        return ticket
+
+    def add_tokens(self, ticket: Ticket, num_tokens: int) -> str | None:
+        """Count a tokenized prompt as waiting, or say why it would take the queue past its token cap (a prompt
+        alone in the queue is always taken, whatever its length)."""
+        cap = self.limits.max_waiting_tokens
+        if cap and self.num_waiting_tokens and self.num_waiting_tokens + num_tokens > cap:
+            return (f"its {num_tokens} prompt tokens would take the {self.num_waiting_tokens} waiting past the "
+                    f"server's limit (--max-waiting-tokens {cap})")
+        ticket.num_tokens = num_tokens
+        self.num_waiting_tokens += num_tokens
+        return None
+
+    def started(self, ticket: Ticket) -> None:
+        """The request got its first token (or ended): it waits no more."""
+        if ticket.waiting:
+            ticket.waiting = False
+            self.num_waiting -= 1
+            self.num_waiting_tokens -= ticket.num_tokens
+            self.recent_starts.append(time.monotonic())
+
+    def leave(self, ticket: Ticket) -> None:
+        if ticket in self.tickets:
+            self.started(ticket)
+            self.tickets.discard(ticket)
+
+    def seconds_left(self, ticket: Ticket) -> float | None:
+        """How long the request may still wait for its first token (None: as long as it takes)."""
+        if not self.limits.max_queue_seconds:
+            return None
+        return max(0.0, ticket.arrival + self.limits.max_queue_seconds - time.monotonic())
+
+    def retry_after(self) -> int:
+        """Whole seconds until a queued request is likely to leave the queue: the mean gap between recent
+        first tokens (1 s before there is any)."""
+        if len(self.recent_starts) < 2:
+            return 1
+        gap = (self.recent_starts[-1] - self.recent_starts[0]) / (len(self.recent_starts) - 1)
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(gap)))
+
+    def readiness(self, num_ready_cores: int) -> tuple[bool, dict]:
+        """Whether a load balancer should send more requests here, and why."""
+        why = [reason for reason in (
+            self.draining and "the server is draining (shutting down)",
+            not num_ready_cores and "no engine core is ready",
+            self.full() and f"the queue is full: {self.full()}") if reason]
+        return not why, {"ready": not why, "why": why, "num_waiting_requests": self.num_waiting,
+                         "num_waiting_tokens": self.num_waiting_tokens, "num_requests": len(self.tickets),
+                         "num_ready_engines": num_ready_cores}
+
+
+def error_body(status: int, message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+
+
+class AdmissionGate:
+    """ASGI middleware: a generation request gets a ``Ticket`` (in ``scope["state"]["admission"]``) for as long
+    as its response lasts, or a 429 / 503 before its body is read."""
+
+    def __init__(self, app, admission: Admission):
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_ROUTES:
+            return await self.app(scope, receive, send)
+        if self.admission.draining:
+            return await refuse(send, 503, "the server is shutting down", "service_unavailable", {})
+        if why := self.admission.full():
+            return await refuse(send, 429, f"the server is overloaded: {why}; retry later", "rate_limit_exceeded",
+                                {"retry-after": str(self.admission.retry_after())})
+        ticket = self.admission.enter()
+        scope.setdefault("state", {})["admission"] = ticket
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.leave(ticket)
+
+
+async def refuse(send, status: int, message: str, kind: str, headers: dict[str, str]) -> None:
+    body = error_body(status, message, kind)
+    headers = {"content-type": "application/json", "content-length": str(len(body)), **headers}
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+    await send({"type": "http.response.body", "body": body})
