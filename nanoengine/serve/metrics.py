@@ -62,7 +62,8 @@ class Metrics:
         self.generation_tokens.labels(*labels).inc(num_new)
         if previous_token_time is None:
             self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
-            self.ttft.labels(*labels).observe(metrics.time_to_first_token)
+            if metrics.time_to_first_token is not None:  # None for a prompt-only request (max_tokens=0)
+                self.ttft.labels(*labels).observe(metrics.time_to_first_token)
         elif num_new:
             self.itl.labels(*labels).observe((metrics.last_token_time - previous_token_time) / num_new)
         if output.finished:
