@@ -11,9 +11,12 @@ core detokenizes, because it already must to find stop strings.
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
+from importlib.metadata import version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,12 +26,23 @@ from starlette.exceptions import HTTPException
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.request import ParentRequest
+from nanoengine.engine.request import Request as EngineRequest
+from nanoengine.sampling_params import field_error
+from nanoengine.serve.choices import Choices, completion_logprobs, vllm_prompt_logprobs
 from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
 from nanoengine.serve.engine_core import EngineCoreRequest
 from nanoengine.serve.metrics import Metrics
-from nanoengine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from nanoengine.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+logger = logging.getLogger("nanoengine.serve")
 
 
 class APIError(Exception):
@@ -51,19 +65,29 @@ class RequestValidator(LLMEngine):
         self.init_request_checks(config)
 
 
+@dataclass
+class Prepared:
+    """A request validated and tokenized: one engine request per prompt (a chat has one)."""
+
+    request_id: str
+    requests: list[EngineCoreRequest]
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+
+
 class OpenAIServer:
     def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
                  metrics: Metrics):
         self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
         self.generation_defaults = validator.config.default_sampling_params()
         self.shutting_down = False
+        self.warned_fields: set[str] = set()  # unknown request keys, logged once each
 
     def stop(self) -> None:
         """Refuse new requests and end the running ones (the engine core aborts them)."""
         self.shutting_down = True
         self.client.fail_all(EngineUnavailableError("the server is shutting down"))
 
-    def engine_request(self, body: GenerationRequest) -> EngineCoreRequest:
+    def prepare(self, body: GenerationRequest) -> Prepared:
         """The request validated and tokenized (slow for a long prompt: called in a worker thread)."""
         if self.client.dead or self.shutting_down:
             raise engine_gone(self.client.dead or "the server is shutting down")
@@ -71,21 +95,34 @@ class OpenAIServer:
             raise APIError(400, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_names[0]!r})", "model")
         chat = isinstance(body, ChatCompletionRequest)
-        if chat:
-            prompt = {"prompt_token_ids": self.chat_prompt(body), "cache_salt": body.cache_salt}
-        else:
-            prompt = {"prompt_token_ids" if isinstance(body.prompt, list) else "prompt": body.prompt,
-                      "cache_salt": body.cache_salt}
+        prompts = [{"prompt_token_ids": self.chat_prompt(body)}] if chat else [
+            {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt} for prompt in body.prompts()]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
+            self.warn_unknown_fields(body)
             params = body.to_sampling_params(self.generation_defaults)
-            request = self.validator.make_request(request_id, prompt, params, body.priority)
+            if params.n > self.validator.config.max_num_seqs:
+                raise field_error("n", f"n must be at most max_num_seqs ({self.validator.config.max_num_seqs}), "
+                                       f"got {params.n}")
+            made = [self.validator.make_request(f"{request_id}-{i}", {**prompt, "cache_salt": body.cache_salt},
+                                                params, body.priority) for i, prompt in enumerate(prompts)]
         except (ValueError, TypeError) as error:
             engine_field = getattr(error, "param", None)
             param = request_field(body, engine_field)
             raise APIError(400, str(error) if param == engine_field else f"{param}: {error}", param) from error
-        return EngineCoreRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                                 request.arrival_time, request.cache_salt)
+        requests = [engine_core_request(request) for request in made]
+        echo_texts = None
+        if not chat and body.echo:
+            echo_texts = [p.get("prompt") or self.validator.tokenizer.decode(r.prompt_token_ids)
+                          for p, r in zip(prompts, requests)]
+        return Prepared(request_id, requests, echo_texts)
+
+    def warn_unknown_fields(self, body: GenerationRequest) -> None:
+        for name in body.unknown_fields():
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning("ignoring the request field %r, which no OpenAI or vLLM request has (logged once)",
+                               name)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         try:
@@ -108,12 +145,39 @@ class OpenAIServer:
         except ValueError as error:  # refused by the engine core
             raise APIError(400, str(error), getattr(error, "param", None)) from error
 
-    async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool, http: Request):
-        base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}
+    async def all_outputs(self, requests: list[EngineCoreRequest]):
+        """(prompt index, output) of every engine request, as they come; all are aborted if one fails."""
+        if len(requests) == 1:
+            async for output in self.outputs(requests[0]):
+                yield 0, output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, request: EngineCoreRequest) -> None:
+            try:
+                async for output in self.outputs(request):
+                    queue.put_nowait((index, output))
+                queue.put_nowait((index, None))
+            except APIError as error:
+                queue.put_nowait((index, error))
+
+        tasks = [asyncio.ensure_future(forward(i, request)) for i, request in enumerate(requests)]
+        try:
+            for _ in requests:
+                while (item := await queue.get())[1] is not None:
+                    if isinstance(item[1], APIError):
+                        raise item[1]
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # EngineCoreClient.generate then aborts the unfinished ones
+
+    async def respond(self, body: GenerationRequest, prepared: Prepared, chat: bool, http: Request):
+        base = {"id": prepared.request_id, "created": int(time.time()), "model": self.model_names[0]}
+        choices = Choices(body.n, prepared.echo_texts)
         if body.stream:  # a client that hangs up closes the stream, and with it the request
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.sse(base, request, chat, include_usage), media_type="text/event-stream")
-        reply = asyncio.ensure_future(self.whole_reply(base, request, chat))
+            return StreamingResponse(self.sse(base, body, prepared, choices, chat), media_type="text/event-stream")
+        reply = asyncio.ensure_future(self.whole_reply(base, body, prepared, choices, chat))
         while not reply.done():
             if await http.is_disconnected():
                 reply.cancel()  # EngineCoreClient.generate then aborts the request in the engine core
@@ -121,38 +185,86 @@ class OpenAIServer:
             await asyncio.wait([reply], timeout=DISCONNECT_POLL_S)
         return reply.result()
 
-    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool) -> dict:
-        text, token_ids, logprobs, output = "", [], [], None
-        async for output in self.outputs(request):
-            completion = output.outputs[0]
-            text, token_ids = text + completion.text, token_ids + completion.token_ids
-            logprobs += completion.logprobs or []
-        choice = make_choice(chat, False, text, output.outputs[0].finish_reason,
-                             format_logprobs(chat, token_ids, logprobs, request.params.logprobs))
-        return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage(len(request.prompt_token_ids), len(token_ids), output.num_cached_tokens)}
+    def logprobs(self, chat: bool, token_ids: list[int], entries, num_top: int | None, text_offset: int):
+        if num_top is None:
+            return None
+        if chat:
+            return format_logprobs(token_ids, entries, num_top)
+        return completion_logprobs(token_ids, entries, num_top, text_offset,
+                                   lambda token_id: self.validator.tokenizer.decode([token_id]))
 
-    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool):
+    async def whole_reply(self, base: dict, body: GenerationRequest, prepared: Prepared, choices: Choices,
+                          chat: bool) -> dict:
+        async for prompt_index, output in self.all_outputs(prepared.requests):
+            choices.add(prompt_index, output)
+        num_top = prepared.requests[0].params.logprobs
+        replies = []
+        for choice in choices.in_order():
+            reply = make_choice(chat, False, choice.index, choice.text, choice.finish_reason,
+                                self.logprobs(chat, choice.token_ids, choice.entries, num_top, 0))
+            if not chat and body.prompt_logprobs is not None:
+                reply["prompt_logprobs"] = vllm_prompt_logprobs(choices.prompt_logprobs[choice.prompt_index])
+            replies.append(reply)
+        return {**base, "object": "chat.completion" if chat else "text_completion", "choices": replies,
+                "usage": usage(sum(len(r.prompt_token_ids) for r in prepared.requests), choices.num_output_tokens,
+                               sum(choices.num_cached_tokens.values()))}
+
+    async def sse(self, base: dict, body: GenerationRequest, prepared: Prepared, choices: Choices, chat: bool):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options.continuous_usage_stats
         extra = {"usage": None} if include_usage else {}
-        num_tokens = num_cached_tokens = 0
+        num_top = prepared.requests[0].params.logprobs
         try:
             if chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield sse_event({**base, "choices": [first], **extra})
-            async for output in self.outputs(request):
-                completion = output.outputs[0]
-                num_tokens += len(completion.token_ids)
-                num_cached_tokens = output.num_cached_tokens
-                logprobs = format_logprobs(chat, completion.token_ids, completion.logprobs, request.params.logprobs)
-                choice = make_choice(chat, True, completion.text, completion.finish_reason, logprobs)
-                yield sse_event({**base, "choices": [choice], **extra})
+                for index in range(len(prepared.requests) * body.n):
+                    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield sse_event({**base, "choices": [first], **extra})
+            async for prompt_index, output in self.all_outputs(prepared.requests):
+                choice, piece = choices.add(prompt_index, output)
+                logprobs = self.logprobs(chat, piece.token_ids, piece.entries, num_top, piece.text_offset)
+                chunk = make_choice(chat, True, choice.index, piece.text, choice.finish_reason, logprobs)
+                if continuous_usage:
+                    extra = {"usage": usage(len(output.prompt_token_ids), choice.num_output_tokens,
+                                            choices.num_cached_tokens[prompt_index])}
+                yield sse_event({**base, "choices": [chunk], **extra})
             if include_usage:
-                yield sse_event({**base, "choices": [],
-                                 "usage": usage(len(request.prompt_token_ids), num_tokens, num_cached_tokens)})
+                yield sse_event({**base, "choices": [], "usage": usage(
+                    sum(len(r.prompt_token_ids) for r in prepared.requests), choices.num_output_tokens,
+                    sum(choices.num_cached_tokens.values()))})
         except APIError as error:
             yield sse_event(error.body())
         yield "data: [DONE]\n\n"
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt, or messages through the chat template, as token ids."""
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if body.messages is not None:
+            text = self.validator.render_chat([m.for_template() for m in body.messages],
+                                              add_generation_prompt=body.add_generation_prompt)[0]
+        else:
+            text = body.prompt
+        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+        token_ids = self.validator.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        token_strs = self.validator.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.validator.config.max_model_len, "tokens": token_ids,
+                "token_strs": token_strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        try:
+            self.validator.check_in_vocab("tokens", body.tokens)
+        except ValueError as error:
+            raise APIError(400, str(error), "tokens") from error
+        return {"prompt": self.validator.tokenizer.decode(body.tokens)}
+
+
+def engine_core_request(made: EngineRequest | ParentRequest) -> EngineCoreRequest:
+    """What the engine core needs to make the request again (n > 1: the parent, which it fans out again)."""
+    one = made.children[0] if isinstance(made, ParentRequest) else made
+    return EngineCoreRequest(made.request_id, one.prompt_token_ids, made.params, one.priority, one.arrival_time,
+                             one.cache_salt)
 
 
 def request_field(body: GenerationRequest, engine_field: str | None) -> str | None:
@@ -203,29 +315,26 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-def make_choice(chat: bool, streamed: bool, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    """The one choice of a whole reply, or of a chunk of a streamed one."""
+def make_choice(chat: bool, streamed: bool, index: int, text: str, finish_reason: str | None,
+                logprobs: dict | None) -> dict:
+    """A choice of a whole reply, or of a chunk of a streamed one."""
     if not chat:
         content = {"text": text}
     elif streamed:
         content = {"delta": {"content": text}}
     else:
         content = {"message": {"role": "assistant", "content": text}}
-    return {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs, **content}
+    return {"index": index, "finish_reason": finish_reason, "logprobs": logprobs, **content}
 
 
-def format_logprobs(chat: bool, token_ids: list[int], logprobs: list | None, num_top: int | None) -> dict | None:
-    """OpenAI's logprobs shapes, from the engine's per-token {token id: Logprob} (the sampled id included)."""
-    if logprobs is None or num_top is None:
-        return None
+def format_logprobs(token_ids: list[int], logprobs: list, num_top: int) -> dict:
+    """The chat API's logprobs, from the engine's per-token {token id: Logprob} (the sampled id included)."""
     rows = [(entry[token_id], sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank))
             for token_id, entry in zip(token_ids, logprobs)]
-    if chat:
-        def item(lp):
-            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
-        return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
-    return {"tokens": [s.decoded_token for s, _ in rows], "token_logprobs": [s.logprob for s, _ in rows],
-            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows]}
+
+    def item(lp):
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+    return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -258,13 +367,29 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, http: Request):
-        return await server.respond(body, await asyncio.to_thread(server.engine_request, body), False, http)
+        return await server.respond(body, await asyncio.to_thread(server.prepare, body), False, http)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        return await server.respond(body, await asyncio.to_thread(server.engine_request, body), True, http)
+        return await server.respond(body, await asyncio.to_thread(server.prepare, body), True, http)
 
     app.include_router(v1)
+    # vLLM's tokenizer routes, outside /v1 as there, behind the API key as the rest.
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @keyed.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await asyncio.to_thread(server.tokenize, body)
+
+    @keyed.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await asyncio.to_thread(server.detokenize, body)
+
+    app.include_router(keyed)
+
+    @app.get("/version")
+    async def served_version():
+        return {"version": version("nanoengine")}
 
     @app.get("/health")
     async def health():
