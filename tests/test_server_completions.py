@@ -227,3 +227,20 @@ def test_unknown_fields_are_served_and_logged_once_each(server, client):
         assert reply.usage.completion_tokens <= 2
     logged = Path(server[1]).read_text()
     assert logged.count("'frobnicate'") == 1 and "'user'" not in logged
+
+
+def test_chat_template_options_reach_the_template(client, offline):
+    """continue_final_message, chat_template_kwargs and documents, as LLM.chat renders them."""
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "My colour is"}]
+    [reference] = offline.chat(messages, greedy(4), add_generation_prompt=False, continue_final_message=True,
+                               chat_template_kwargs={"unused_variable": 1}, use_tqdm=False)
+    reply = client.chat.completions.create(messages=messages, max_tokens=4, model=None, temperature=0, extra_body={
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"unused_variable": 1}, "documents": [{"title": "t", "text": "x"}]})
+    assert reply.choices[0].message.content == reference.outputs[0].text
+    assert reply.usage.prompt_tokens == len(reference.prompt_token_ids)
+    for extra, param in [({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+        with pytest.raises(BadRequestError) as raised:
+            client.chat.completions.create(messages=messages, max_tokens=2, extra_body=extra, model=None)
+        assert raised.value.body["param"] == param

@@ -95,11 +95,11 @@ class OpenAIServer:
             raise APIError(400, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_names[0]!r})", "model")
         chat = isinstance(body, ChatCompletionRequest)
-        prompts = [{"prompt_token_ids": self.chat_prompt(body)}] if chat else [
-            {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt} for prompt in body.prompts()]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             self.warn_unknown_fields(body)
+            prompts = [{"prompt_token_ids": self.chat_prompt(body)}] if chat else [
+                {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt} for prompt in body.prompts()]
             params = body.to_sampling_params(self.generation_defaults)
             if params.n > self.validator.config.max_num_seqs:
                 raise field_error("n", f"n must be at most max_num_seqs ({self.validator.config.max_num_seqs}), "
@@ -125,9 +125,9 @@ class OpenAIServer:
                                name)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        options = body.template_options()
         try:
-            return self.validator.render_chat([m.for_template() for m in body.messages],
-                                              add_generation_prompt=body.add_generation_prompt)[1]
+            return self.validator.render_chat([m.for_template() for m in body.messages], **options)[1]
         except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
             raise APIError(400, str(error), "messages") from error
 

@@ -100,10 +100,8 @@ NOT_IMPLEMENTED = {
 CHAT_NOT_IMPLEMENTED = {
     "echo": ((None, False), "echo is served on /v1/completions only"),
     "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
-    "continue_final_message": ((None, False), "continue_final_message is not served (LLM.chat has it)"),
-    "chat_template": ((None,), "the server uses the model's chat template (LLM.chat takes another)"),
-    "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not served (LLM.chat has it)"),
-    "documents": ((None,), "documents are not passed to the chat template"),
+    "chat_template": ((None,), "the server uses the model's chat template (as vLLM does unless started with "
+                               "--trust-request-chat-template; LLM.chat takes another)"),
     "mm_processor_kwargs": ((None,), "the served models take text only"),
     "media_io_kwargs": ((None,), "the served models take text only"),
     "audio": ((None,), "the served models give text only"),
@@ -260,7 +258,22 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the model extends the last (assistant) message
+    chat_template_kwargs: JsonObject | None = None  # extra variables for the chat template (e.g. enable_thinking)
+    documents: list[dict[Text, Text]] | None = None  # for templates that render retrieved documents
     include_reasoning: bool = True  # vLLM's; no reasoning parser runs, so there is no reasoning to leave out
+
+    def template_options(self) -> dict:
+        """What the chat template gets besides the messages."""
+        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise field_error("chat_template_kwargs", f"chat_template_kwargs may not set {taken}: give them as "
+                                                      f"request fields")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise field_error("continue_final_message", "continue_final_message needs add_generation_prompt=false")
+        documents = {} if self.documents is None else {"documents": self.documents}
+        return {**(self.chat_template_kwargs or {}), **documents, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -287,6 +300,12 @@ class TokenizeRequest(Body):
 class DetokenizeRequest(Body):
     model: Text | None = None
     tokens: list[Int64]
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
 def structured_outputs_params(response_format: ResponseFormat | None,
