@@ -244,3 +244,19 @@ def test_chat_template_options_reach_the_template(client, offline):
         with pytest.raises(BadRequestError) as raised:
             client.chat.completions.create(messages=messages, max_tokens=2, extra_body=extra, model=None)
         assert raised.value.body["param"] == param
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_metrics_count_n_samples_as_one_request(server, client):
+    names = ["nanoengine:prompt_tokens_total", "nanoengine:generation_tokens_total",
+             "nanoengine:time_to_first_token_seconds_count", "nanoengine:inter_token_latency_seconds_count"]
+    before = [metric(server[0], name) for name in names]
+    reply = client.completions.create(prompt=PROMPTS[0], n=3, max_tokens=4, seed=1, model=None,
+                                      extra_body={"ignore_eos": True})
+    after = [metric(server[0], name) for name in names]
+    assert [a - b for a, b in zip(after, before)][:3] == [reply.usage.prompt_tokens, 12, 1]
+    assert after[3] - before[3] <= 9  # at most 3 gaps a sample, never one between two samples

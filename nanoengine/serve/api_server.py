@@ -133,12 +133,13 @@ class OpenAIServer:
 
     async def outputs(self, request: EngineCoreRequest):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
-        last_token_time = None
+        last_token_times: dict[int, float | None] = {}  # per sample of the request (n > 1)
         try:
             async for engine, output in self.client.generate(request):
                 output.prompt_token_ids = request.prompt_token_ids  # the engine core leaves them out
-                self.metrics.record_output(engine, output, last_token_time)
-                last_token_time = output.metrics.last_token_time
+                sample = output.outputs[0].index
+                self.metrics.record_output(engine, output, not last_token_times, last_token_times.get(sample))
+                last_token_times[sample] = output.metrics.last_token_time
                 yield output
         except EngineUnavailableError as error:
             raise engine_gone(str(error)) from error
