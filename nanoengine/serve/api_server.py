@@ -159,14 +159,14 @@ class OpenAIServer:
                 async for output in self.outputs(request):
                     queue.put_nowait((index, output))
                 queue.put_nowait((index, None))
-            except APIError as error:
+            except Exception as error:  # an APIError, or anything else: the reply fails with it
                 queue.put_nowait((index, error))
 
         tasks = [asyncio.ensure_future(forward(i, request)) for i, request in enumerate(requests)]
         try:
             for _ in requests:
                 while (item := await queue.get())[1] is not None:
-                    if isinstance(item[1], APIError):
+                    if isinstance(item[1], Exception):
                         raise item[1]
                     yield item
         finally:
@@ -242,11 +242,13 @@ class OpenAIServer:
         """vLLM's /tokenize: a prompt, or messages through the chat template, as token ids."""
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
+        text = body.prompt
         if body.messages is not None:
-            text = self.validator.render_chat([m.for_template() for m in body.messages],
-                                              add_generation_prompt=body.add_generation_prompt)[0]
-        else:
-            text = body.prompt
+            try:
+                text = self.validator.render_chat([m.for_template() for m in body.messages],
+                                                  add_generation_prompt=body.add_generation_prompt)[0]
+            except (ValueError, TemplateError) as error:
+                raise APIError(400, str(error), "messages") from error
         add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
         token_ids = self.validator.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         token_strs = self.validator.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
