@@ -73,6 +73,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
     # Derived: the stop strings as a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -95,7 +96,7 @@ class SamplingParams:
         if self.seed is not None:
             check_number("seed", self.seed, int)
         if self.max_tokens is not None:
-            check_number("max_tokens", self.max_tokens, int, low=1)
+            check_number("max_tokens", self.max_tokens, int, low=0)  # 0: only the prompt is computed
         check_number("min_tokens", self.min_tokens, int, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise field_error("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
@@ -113,6 +114,7 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise field_error("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
                               TypeError)
+        self.logit_bias = self.validated_logit_bias()
         self.stop_strings = self.validated_stop()
         self.stop_token_ids = self.validated_stop_token_ids()
 
@@ -129,6 +131,18 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise field_error("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         return stop
+
+    def validated_logit_bias(self) -> dict[int, float] | None:
+        """The bias as {token id: value}, each value clamped to [-100, 100] as OpenAI specifies."""
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, dict):
+            raise field_error("logit_bias", f"logit_bias must be a dict of token id -> number, got "
+                                            f"{type(self.logit_bias).__name__}", TypeError)
+        for token_id, bias in self.logit_bias.items():
+            check_number("logit_bias", token_id, int)  # its keys are token ids
+            check_number("logit_bias", bias, (int, float))
+        return {token_id: min(100.0, max(-100.0, float(bias))) for token_id, bias in self.logit_bias.items()} or None
 
     def validated_stop_token_ids(self) -> list[int]:
         ids = list(self.stop_token_ids or [])

@@ -56,7 +56,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 1.5}, "max_tokens"), ({"seed": "x"}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": 1}, "ignore_eos"), ({"n": 0}, "n"), ({"logprobs": -1}, "logprobs"),
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"stop": [""]}, "stop"),
@@ -66,6 +66,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     ({"presence_penalty": math.nan}, "presence_penalty"), ({"frequency_penalty": -math.inf}, "frequency_penalty"),
     ({"repetition_penalty": math.nan}, "repetition_penalty"), ({"top_k": 2**63}, "top_k"),
     ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"max_tokens": 2**64}, "max_tokens"),
+    ({"logit_bias": {1: math.inf}}, "logit_bias"), ({"logit_bias": {1.5: 1}}, "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError), match=field) as raised:

@@ -17,8 +17,8 @@ OTHER = [rng.randrange(100, 40000) for _ in range(30)]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def asking(num_top: int, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=num_top, **kwargs)
+def asking(num_top: int, max_tokens: int = 3, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=num_top, **kwargs)
 
 
 def check_against_transformers(hf_model, prompt: list[int], prompt_logprobs, num_top: int) -> None:
@@ -97,3 +97,23 @@ def test_more_prompt_logprobs_than_the_vocabulary_raise_before_queueing(llm):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate([PROMPT], SamplingParams(prompt_logprobs=10**6), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_max_tokens_zero_computes_the_prompt_and_samples_nothing(llm, sharp_tiny_model):
+    """lm-eval's loglikelihood requests: the prompt's logprobs are the whole output (here batched with a
+    request that samples)."""
+    engine = llm.llm_engine
+    sampled_rows = []
+    sample = engine.model_executor.runner.sample
+    engine.model_executor.runner.sample = lambda logits, *args: sampled_rows.append(len(logits)) or sample(
+        logits, *args)
+    try:
+        outs = llm.generate([PROMPT, OTHER], [asking(2, max_tokens=0), asking(0)], use_tqdm=False)
+    finally:
+        del engine.model_executor.runner.sample
+    scored, other = outs
+    assert (scored.outputs[0].token_ids, scored.outputs[0].text, scored.outputs[0].finish_reason) == ([], "", "length")
+    assert scored.finished and scored.metrics.first_token_time is None
+    check_against_transformers(sharp_tiny_model[1], PROMPT, scored.prompt_logprobs, 2)
+    assert len(other.outputs[0].token_ids) == 3 and sum(sampled_rows) == 3  # only the other request sampled
+    assert engine.block_manager.num_free_blocks == len(engine.block_manager.blocks)

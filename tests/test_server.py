@@ -121,7 +121,6 @@ def test_logprobs_in_openai_shapes(client):
 BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
     ("completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
-    ("completions", {"prompt": "hi", "n": 2}, "n", "n=1"),
     ("completions", {"prompt": "word " * MAX_MODEL_LEN}, "prompt", "max_model_len"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, "model", "not served"),
     ("completions", {"prompt": [10**9]}, "prompt", "vocabulary"),

@@ -164,6 +164,7 @@ class LLMEngine:
             if num_top is not None:
                 check_number(name, num_top, int, high=self.config.max_logprobs, why="the engine's max_logprobs")
         self.check_in_vocab("stop_token_ids", params.stop_token_ids)
+        self.check_in_vocab("logit_bias", list(params.logit_bias or ()))
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -237,7 +238,7 @@ class LLMEngine:
         self.count_step_tokens(scheduled)
         self.advance(scheduled)
         self.record_prompt_logprobs(result)
-        outputs = held + self.apply_samples(result)
+        outputs = held + self.apply_samples(result) + self.finish_prompt_only(scheduled)
         if self.trace is not None:
             self.trace.log_verified(result)
         self.propose_drafts(result.requests)
@@ -302,6 +303,16 @@ class LLMEngine:
             if result.num_drafts[i]:
                 self.record_verification(request, result.num_drafts[i], len(run) - 1)
             self.emit(request, outputs, now)
+        return outputs
+
+    def finish_prompt_only(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """A request with max_tokens=0 ends once its prompt is computed, having sampled nothing: its output is
+        its prompt logprobs (lm-eval's loglikelihood requests)."""
+        outputs, now = [], time.time()
+        for request in scheduled.requests:
+            if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                self.scheduler.finish(request, "length")
+                self.emit(request, outputs, now)
         return outputs
 
     def emit(self, request: Request, outputs: list[RequestOutput], now: float) -> None:

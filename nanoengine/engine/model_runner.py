@@ -25,7 +25,7 @@ from nanoengine.engine.spec_decode import accepted_run
 from nanoengine.engine.structured_output import GrammarBitmask, apply_bitmask
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.linear import choose_linear_kernels
-from nanoengine.layers.sampler import SamplingTensors, apply_penalties, sample, top_logprobs
+from nanoengine.layers.sampler import SamplingTensors, apply_logit_bias, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
 from nanoengine.models.llama import LayersInOneCall
 from nanoengine.utils.cpu_memory import keep_freed_memory
@@ -287,7 +287,7 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             any_min_p=any(p.min_p > 0 for p in params))
-        processed = ban_stop_tokens_before_min_tokens(logits, rows)
+        processed = apply_logit_bias(ban_stop_tokens_before_min_tokens(logits, rows), [p.logit_bias for p in params])
         if any(p.has_penalties for p in params):
             processed = apply_penalties(
                 processed, [r.prompt_token_ids for r, _, _ in rows], [r.output_token_ids + d for r, _, d in rows],

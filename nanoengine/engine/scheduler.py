@@ -32,8 +32,9 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
     def samples(self) -> list[bool]:
-        """Per request: True when its whole context is in after this step, so that it samples a token."""
-        return [r.num_computed_tokens + n - len(d) == r.num_tokens
+        """Per request: True when its whole context is in after this step, so that it samples a token (unless it
+        asks for none: max_tokens=0)."""
+        return [r.num_computed_tokens + n - len(d) == r.num_tokens and r.max_tokens > 0
                 for r, n, d in zip(self.requests, self.num_new_tokens, self.drafts)]
 
     def add(self, request: Request, num_new_tokens: int) -> None:

@@ -1,5 +1,7 @@
-"""Batched sampling in vLLM's order: penalties; then, for the rows that sample, temperature, min-p, top-k, top-p.
+"""Batched sampling in vLLM's order: logit bias, penalties; then, for the rows that sample, temperature, min-p,
+top-k, top-p.
 
+- Logit bias adds each request's {token id: value} to its logits (greedy rows too).
 - Penalties (they change greedy rows too): repetition scales the logits of the
   tokens seen in the prompt or the output (a positive logit is divided by it, a
   negative one multiplied); frequency subtracts its value once per time a token
@@ -140,6 +142,17 @@ def keep_top_k_top_p(ascending: torch.Tensor, kth_largest: torch.Tensor, top_ps:
     drop = mass_up_to <= 1 - top_ps.unsqueeze(1)
     drop[:, -1] = False  # the most likely token always stays
     return ascending.masked_fill(drop, float("-inf"))
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """``logits`` with each row's bias added (a copy, if any row has one)."""
+    rows = [row for row, bias in enumerate(biases) for _ in bias or ()]
+    if not rows:
+        return logits
+    token_ids = [token_id for bias in biases for token_id in bias or ()]
+    values = [value for bias in biases for value in (bias or {}).values()]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],

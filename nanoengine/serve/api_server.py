@@ -13,10 +13,12 @@ admission.py) gets a proper HTTP error, streamed or not.
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from importlib.metadata import version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,15 +28,25 @@ from starlette.exceptions import HTTPException
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.engine.request import ParentRequest
+from nanoengine.engine.request import Request as EngineRequest
+from nanoengine.sampling_params import SamplingParams, field_error
 from nanoengine.serve.admission import Admission, AdmissionGate, AdmissionLimits, Ticket
+from nanoengine.serve.choices import Choices, completion_logprobs, vllm_prompt_logprobs
 from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
 from nanoengine.serve.engine_core import EngineCoreRequest
 from nanoengine.serve.metrics import Metrics
-from nanoengine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from nanoengine.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationRequest,
+    TokenizeRequest,
+)
 from nanoengine.serve.tools import ToolUse
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+logger = logging.getLogger("nanoengine.serve")
 
 
 class APIError(Exception):
@@ -65,6 +77,15 @@ class RequestValidator(LLMEngine):
         self.init_request_checks(config)
 
 
+@dataclass
+class Prepared:
+    """A request validated and tokenized: one engine request per prompt (a chat has one)."""
+
+    request_id: str
+    requests: list[EngineCoreRequest]
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+
+
 class OpenAIServer:
     def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
                  metrics: Metrics, tool_call_parser: str | None = None, admission: Admission | None = None):
@@ -73,20 +94,22 @@ class OpenAIServer:
         self.admission = admission or Admission(AdmissionLimits(0, 0, 0))
         self.generation_defaults = validator.config.default_sampling_params()
         self.shutting_down = False
+        self.warned_fields: set[str] = set()  # unknown request keys, logged once each
 
     def stop(self) -> None:
         """Refuse new requests and end the running ones (the engine core aborts them)."""
         self.shutting_down = True
         self.client.fail_all(EngineUnavailableError("the server is shutting down"))
 
-    async def admit(self, body: GenerationRequest, http: Request) -> EngineCoreRequest:
-        """The request tokenized and counted as waiting, or a 429 when its prompt would overfill the queue."""
-        request = await asyncio.to_thread(self.engine_request, body)
-        if why := self.admission.add_tokens(http.state.admission, len(request.prompt_token_ids)):
+    async def admit(self, body: GenerationRequest, http: Request) -> Prepared:
+        """The request prepared and counted as waiting, or a 429 when its prompts would overfill the queue."""
+        prepared = await asyncio.to_thread(self.prepare, body)
+        num_tokens = sum(len(request.prompt_token_ids) for request in prepared.requests)
+        if why := self.admission.add_tokens(http.state.admission, num_tokens):
             raise overloaded(why, self.admission.retry_after())
-        return request
+        return prepared
 
-    def engine_request(self, body: GenerationRequest) -> EngineCoreRequest:
+    def prepare(self, body: GenerationRequest) -> Prepared:
         """The request validated and tokenized (slow for a long prompt: called in a worker thread)."""
         if self.client.dead or self.shutting_down:
             raise engine_gone(self.client.dead or "the server is shutting down")
@@ -94,28 +117,41 @@ class OpenAIServer:
             raise APIError(400, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_names[0]!r})", "model")
         chat = isinstance(body, ChatCompletionRequest)
-        if chat:
-            prompt = {"prompt_token_ids": self.chat_prompt(body), "cache_salt": body.cache_salt}
-        else:
-            prompt = {"prompt_token_ids" if isinstance(body.prompt, list) else "prompt": body.prompt,
-                      "cache_salt": body.cache_salt}
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
+            self.warn_unknown_fields(body)
+            prompts = [{"prompt_token_ids": self.chat_prompt(body)}] if chat else [
+                {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt} for prompt in body.prompts()]
             params = body.to_sampling_params(self.generation_defaults)
             if chat:
                 params = self.with_tool_grammar(body, params)
-            request = self.validator.make_request(request_id, prompt, params, body.priority)
+            if params.n > self.validator.config.max_num_seqs:
+                raise field_error("n", f"n must be at most max_num_seqs ({self.validator.config.max_num_seqs}), "
+                                       f"got {params.n}")
+            made = [self.validator.make_request(f"{request_id}-{i}", {**prompt, "cache_salt": body.cache_salt},
+                                                params, body.priority) for i, prompt in enumerate(prompts)]
         except (ValueError, TypeError) as error:
             engine_field = getattr(error, "param", None)
             param = request_field(body, engine_field)
             raise APIError(400, str(error) if param == engine_field else f"{param}: {error}", param) from error
-        return EngineCoreRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                                 request.arrival_time, request.cache_salt)
+        requests = [engine_core_request(request) for request in made]
+        echo_texts = None
+        if not chat and body.echo:
+            echo_texts = [p.get("prompt") or self.validator.tokenizer.decode(r.prompt_token_ids)
+                          for p, r in zip(prompts, requests)]
+        return Prepared(request_id, requests, echo_texts)
+
+    def warn_unknown_fields(self, body: GenerationRequest) -> None:
+        for name in body.unknown_fields():
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning("ignoring the request field %r, which no OpenAI or vLLM request has (logged once)",
+                               name)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.for_template() for m in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        options = {"add_generation_prompt": body.add_generation_prompt}
+        options = body.template_options()
         try:
             text, token_ids = self.validator.render_chat(messages, tools=tools, **options)
             tool_use = self.tool_use(body)
@@ -142,32 +178,59 @@ class OpenAIServer:
 
     async def outputs(self, request: EngineCoreRequest, ticket: Ticket):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
-        last_token_time = None
+        last_token_times: dict[int, float | None] = {}  # per sample of the request (n > 1)
         try:
             async for engine, output in self.client.generate(request):
                 self.admission.started(ticket)
                 output.prompt_token_ids = request.prompt_token_ids  # the engine core leaves them out
-                self.metrics.record_output(engine, output, last_token_time)
-                last_token_time = output.metrics.last_token_time
+                sample = output.outputs[0].index
+                self.metrics.record_output(engine, output, not last_token_times, last_token_times.get(sample))
+                last_token_times[sample] = output.metrics.last_token_time
                 yield output
         except EngineUnavailableError as error:
             raise engine_gone(str(error)) from error
         except ValueError as error:  # refused by the engine core
             raise APIError(400, str(error), getattr(error, "param", None)) from error
 
-    async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool, http: Request):
-        base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}
-        tool_use = self.tool_use(body)
-        outputs = self.outputs(request, http.state.admission)
+    async def all_outputs(self, requests: list[EngineCoreRequest], ticket: Ticket):
+        """(prompt index, output) of every engine request, as they come; all are aborted if one fails."""
+        if len(requests) == 1:
+            async for output in self.outputs(requests[0], ticket):
+                yield 0, output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, request: EngineCoreRequest) -> None:
+            try:
+                async for output in self.outputs(request, ticket):
+                    queue.put_nowait((index, output))
+                queue.put_nowait((index, None))
+            except Exception as error:  # an APIError, or anything else: the reply fails with it
+                queue.put_nowait((index, error))
+
+        tasks = [asyncio.ensure_future(forward(i, request)) for i, request in enumerate(requests)]
+        try:
+            for _ in requests:
+                while (item := await queue.get())[1] is not None:
+                    if isinstance(item[1], Exception):
+                        raise item[1]
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # EngineCoreClient.generate then aborts the unfinished ones
+
+    async def respond(self, body: GenerationRequest, prepared: Prepared, chat: bool, http: Request):
+        base = {"id": prepared.request_id, "created": int(time.time()), "model": self.model_names[0]}
+        choices, tool_use = Choices(body.n, prepared.echo_texts), self.tool_use(body)
+        outputs = self.all_outputs(prepared.requests, http.state.admission)
         first = await until_disconnected(self.first_output(outputs, http.state.admission), http)
         if first is None:
             return Response(status_code=499)  # "client closed request": nobody reads it
         outputs = prepend(first, outputs)
         if body.stream:  # a client that hangs up closes the stream, and with it the request
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.sse(base, request, chat, include_usage, outputs, tool_use),
+            return StreamingResponse(self.sse(base, body, prepared, choices, chat, outputs, tool_use),
                                      media_type="text/event-stream")
-        reply = await until_disconnected(self.whole_reply(base, request, chat, outputs, tool_use), http)
+        reply = await until_disconnected(self.whole_reply(base, body, prepared, choices, chat, outputs, tool_use), http)
         return Response(status_code=499) if reply is None else reply
 
     async def first_output(self, outputs, ticket: Ticket):
@@ -178,45 +241,92 @@ class OpenAIServer:
             raise engine_gone(f"the request waited {self.admission.limits.max_queue_seconds:g} s without starting "
                               f"(--max-queue-seconds): the server is overloaded; retry later") from None
 
-    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool, outputs,
-                          tool_use: ToolUse | None = None) -> dict:
-        text, token_ids, logprobs, output = "", [], [], None
-        async for output in outputs:
-            completion = output.outputs[0]
-            text, token_ids = text + completion.text, token_ids + completion.token_ids
-            logprobs += completion.logprobs or []
-        choice = make_choice(chat, False, text, output.outputs[0].finish_reason,
-                             format_logprobs(chat, token_ids, logprobs, request.params.logprobs))
-        if tool_use is not None:
-            choice = tool_use.shape_message(choice)
-        return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage(len(request.prompt_token_ids), len(token_ids), output.num_cached_tokens)}
+    def logprobs(self, chat: bool, token_ids: list[int], entries, num_top: int | None, text_offset: int):
+        if num_top is None:
+            return None
+        if chat:
+            return format_logprobs(token_ids, entries, num_top)
+        return completion_logprobs(token_ids, entries, num_top, text_offset,
+                                   lambda token_id: self.validator.tokenizer.decode([token_id]))
 
-    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool, outputs,
-                  tool_use: ToolUse | None = None):
+    async def whole_reply(self, base: dict, body: GenerationRequest, prepared: Prepared, choices: Choices,
+                          chat: bool, outputs, tool_use: ToolUse | None) -> dict:
+        async for prompt_index, output in outputs:
+            choices.add(prompt_index, output)
+        num_top = prepared.requests[0].params.logprobs
+        replies = []
+        for choice in choices.in_order():
+            reply = make_choice(chat, False, choice.index, choice.text, choice.finish_reason,
+                                self.logprobs(chat, choice.token_ids, choice.entries, num_top, 0))
+            if not chat and body.prompt_logprobs is not None:
+                reply["prompt_logprobs"] = vllm_prompt_logprobs(choices.prompt_logprobs[choice.prompt_index])
+            replies.append(reply if tool_use is None else tool_use.shape_message(reply))
+        return {**base, "object": "chat.completion" if chat else "text_completion", "choices": replies,
+                "usage": usage(sum(len(r.prompt_token_ids) for r in prepared.requests), choices.num_output_tokens,
+                               sum(choices.num_cached_tokens.values()))}
+
+    async def sse(self, base: dict, body: GenerationRequest, prepared: Prepared, choices: Choices, chat: bool,
+                  outputs, tool_use: ToolUse | None):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
         shaper = tool_use and tool_use.chunk_shaper()
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options.continuous_usage_stats
         extra = {"usage": None} if include_usage else {}
-        num_tokens = num_cached_tokens = 0
+        num_top = prepared.requests[0].params.logprobs
         try:
             if chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield sse_event({**base, "choices": [first], **extra})
-            async for output in outputs:
-                completion = output.outputs[0]
-                num_tokens += len(completion.token_ids)
-                num_cached_tokens = output.num_cached_tokens
-                logprobs = format_logprobs(chat, completion.token_ids, completion.logprobs, request.params.logprobs)
-                choice = make_choice(chat, True, completion.text, completion.finish_reason, logprobs)
-                if shaper and (choice := shaper.shape(choice)) is None:
+                for index in range(len(prepared.requests) * body.n):
+                    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield sse_event({**base, "choices": [first], **extra})
+            async for prompt_index, output in outputs:
+                choice, piece = choices.add(prompt_index, output)
+                logprobs = self.logprobs(chat, piece.token_ids, piece.entries, num_top, piece.text_offset)
+                chunk = make_choice(chat, True, choice.index, piece.text, choice.finish_reason, logprobs)
+                if shaper and (chunk := shaper.shape(chunk)) is None:
                     continue  # text held back, e.g. what may start a tool call's tag
-                yield sse_event({**base, "choices": [choice], **extra})
+                if continuous_usage:
+                    extra = {"usage": usage(len(output.prompt_token_ids), choice.num_output_tokens,
+                                            choices.num_cached_tokens[prompt_index])}
+                yield sse_event({**base, "choices": [chunk], **extra})
             if include_usage:
-                yield sse_event({**base, "choices": [],
-                                 "usage": usage(len(request.prompt_token_ids), num_tokens, num_cached_tokens)})
+                yield sse_event({**base, "choices": [], "usage": usage(
+                    sum(len(r.prompt_token_ids) for r in prepared.requests), choices.num_output_tokens,
+                    sum(choices.num_cached_tokens.values()))})
         except APIError as error:
             yield sse_event(error.body())
         yield "data: [DONE]\n\n"
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt, or messages through the chat template, as token ids."""
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        text = body.prompt
+        if body.messages is not None:
+            try:
+                text = self.validator.render_chat([m.for_template() for m in body.messages],
+                                                  add_generation_prompt=body.add_generation_prompt)[0]
+            except (ValueError, TemplateError) as error:
+                raise APIError(400, str(error), "messages") from error
+        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+        token_ids = self.validator.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        token_strs = self.validator.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.validator.config.max_model_len, "tokens": token_ids,
+                "token_strs": token_strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        try:
+            self.validator.check_in_vocab("tokens", body.tokens)
+        except ValueError as error:
+            raise APIError(400, str(error), "tokens") from error
+        return {"prompt": self.validator.tokenizer.decode(body.tokens)}
+
+
+def engine_core_request(made: EngineRequest | ParentRequest) -> EngineCoreRequest:
+    """What the engine core needs to make the request again (n > 1: the parent, which it fans out again)."""
+    one = made.children[0] if isinstance(made, ParentRequest) else made
+    return EngineCoreRequest(made.request_id, one.prompt_token_ids, made.params, one.priority, one.arrival_time,
+                             one.cache_salt)
 
 
 async def until_disconnected(awaitable, http: Request):
@@ -288,29 +398,26 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-def make_choice(chat: bool, streamed: bool, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    """The one choice of a whole reply, or of a chunk of a streamed one."""
+def make_choice(chat: bool, streamed: bool, index: int, text: str, finish_reason: str | None,
+                logprobs: dict | None) -> dict:
+    """A choice of a whole reply, or of a chunk of a streamed one."""
     if not chat:
         content = {"text": text}
     elif streamed:
         content = {"delta": {"content": text}}
     else:
         content = {"message": {"role": "assistant", "content": text}}
-    return {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs, **content}
+    return {"index": index, "finish_reason": finish_reason, "logprobs": logprobs, **content}
 
 
-def format_logprobs(chat: bool, token_ids: list[int], logprobs: list | None, num_top: int | None) -> dict | None:
-    """OpenAI's logprobs shapes, from the engine's per-token {token id: Logprob} (the sampled id included)."""
-    if logprobs is None or num_top is None:
-        return None
+def format_logprobs(token_ids: list[int], logprobs: list, num_top: int) -> dict:
+    """The chat API's logprobs, from the engine's per-token {token id: Logprob} (the sampled id included)."""
     rows = [(entry[token_id], sorted((lp for lp in entry.values() if lp.rank <= num_top), key=lambda lp: lp.rank))
             for token_id, entry in zip(token_ids, logprobs)]
-    if chat:
-        def item(lp):
-            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
-        return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
-    return {"tokens": [s.decoded_token for s, _ in rows], "token_logprobs": [s.logprob for s, _ in rows],
-            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in rows]}
+
+    def item(lp):
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+    return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in rows]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -357,6 +464,22 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
         return await create_response(server, body, http)
 
     app.include_router(v1)
+    # vLLM's tokenizer routes, outside /v1 as there, behind the API key as the rest.
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @keyed.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await asyncio.to_thread(server.tokenize, body)
+
+    @keyed.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await asyncio.to_thread(server.detokenize, body)
+
+    app.include_router(keyed)
+
+    @app.get("/version")
+    async def served_version():
+        return {"version": version("nanoengine")}
 
     @app.get("/health")
     async def health():

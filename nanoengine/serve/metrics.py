@@ -68,15 +68,17 @@ class Metrics:
                 gauge.labels(*labels).set(0)
             self.last_totals.pop(engine, None)  # a restarted core counts from 0 again
 
-    def record_output(self, engine: int, output: RequestOutput, previous_token_time: float | None) -> None:
-        """One DELTA output; ``previous_token_time`` is the last token time of the request's previous output."""
+    def record_output(self, engine: int, output: RequestOutput, first: bool, previous_token_time: float | None) -> None:
+        """One DELTA output: the request's ``first``, or not; ``previous_token_time`` is the last token time of the
+        previous output of the same sample (None for a sample's first: with n > 1, each sample's)."""
         labels = self.model_name, str(engine)
         metrics, num_new = output.metrics, len(output.outputs[0].token_ids)
         self.generation_tokens.labels(*labels).inc(num_new)
-        if previous_token_time is None:
+        if first:
             self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
-            self.ttft.labels(*labels).observe(metrics.time_to_first_token)
-        elif num_new:
+            if metrics.time_to_first_token is not None:  # None for a prompt-only request (max_tokens=0)
+                self.ttft.labels(*labels).observe(metrics.time_to_first_token)
+        elif previous_token_time is not None and num_new:
             self.itl.labels(*labels).observe((metrics.last_token_time - previous_token_time) / num_new)
         if output.finished:
             self.e2e.labels(*labels).observe(metrics.finished_time - metrics.arrival_time)

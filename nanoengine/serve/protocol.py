@@ -1,6 +1,8 @@
 """The OpenAI request bodies (pydantic) and their mapping onto SamplingParams.
 
-Fields the server does not know are ignored, as vLLM and OpenAI clients expect. A known field is
+Every field of OpenAI's and vLLM's requests is either honoured or, when a request sets it to anything
+but its "off" value, refused with a 400 that names it (NOT_IMPLEMENTED). Keys that are neither are
+accepted, and the server logs each such name once at WARNING, as vLLM does. A known field is
 checked strictly at this boundary: its JSON type (no "16" for 16, no true for 1), finite floats,
 ints that fit the int64 tensors they feed, text that encodes as UTF-8, and JSON values nested at
 most MAX_JSON_DEPTH deep. What the values mean is checked by SamplingParams and
@@ -8,7 +10,7 @@ LLMEngine.make_request, the checks the offline LLM runs. Every error names its f
 """
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -58,6 +60,7 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(Body):
@@ -70,6 +73,57 @@ class ResponseFormat(Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+# OpenAI's and vLLM's fields that nanoengine does not implement: name -> (the values that leave it off, why).
+NOT_IMPLEMENTED = {
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1,), "length_penalty applies to beam search, which is not implemented"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not implemented (structured_outputs or logit_bias can "
+                                   "restrict the tokens)"),
+    "bad_words": ((None, []), "bad_words is not implemented"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation is not implemented"),
+    "truncation_side": ((None,), "prompt truncation is not implemented"),
+    "prompt_embeds": ((None,), "prompt embeddings are not implemented"),
+    "logprob_token_ids": ((None,), "logprob_token_ids is not implemented (use logprobs)"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always decoded without added spaces"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not implemented"),
+    "return_token_ids": ((None, False), "return_token_ids is not implemented (/tokenize gives the prompt's ids)"),
+    "request_id": ((None,), "the server names each request itself"),
+    "kv_transfer_params": ((None,), "disaggregated serving is not implemented"),
+    "ec_transfer_params": ((None,), "disaggregated serving is not implemented"),
+    "vllm_xargs": ((None,), "custom extension arguments are not implemented"),
+    "repetition_detection": ((None,), "repetition_detection is not implemented"),
+    "thinking_token_budget": ((None, -1), "thinking_token_budget is not implemented"),
+    "watermarking": ((None, False), "watermarking is not implemented"),
+    "stream_interval": ((None, 1), "every step's tokens are streamed as they come (stream_interval=1)"),
+    "routed_experts_prompt_start": ((0,), "expert routing data is not returned"),
+    "return_token_offsets": ((None, False), "token offsets are not returned"),
+}
+CHAT_NOT_IMPLEMENTED = {
+    "echo": ((None, False), "echo is served on /v1/completions only"),
+    "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
+    "chat_template": ((None,), "the server uses the model's chat template (as vLLM does unless started with "
+                               "--trust-request-chat-template; LLM.chat takes another)"),
+    "mm_processor_kwargs": ((None,), "the served models take text only"),
+    "media_io_kwargs": ((None,), "the served models take text only"),
+    "audio": ((None,), "the served models give text only"),
+    "modalities": ((None, ["text"]), "the served models give text only"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "functions": ((None,), "functions is deprecated by OpenAI: use tools"),
+    "function_call": ((None,), "function_call is deprecated by OpenAI: use tool_choice"),
+    "web_search_options": ((None,), "web search is not implemented"),
+    "reasoning_effort": ((None,), "reasoning_effort is not implemented"),
+    "verbosity": ((None,), "verbosity is not implemented"),
+    "prompt_logprobs": ((None,), "prompt_logprobs is served on /v1/completions"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+}
+COMPLETIONS_NOT_IMPLEMENTED = {
+    "suffix": ((None,), "suffix is not currently supported"),  # vLLM's words
+    "add_special_tokens": ((None, True), "a text prompt is always encoded with the tokenizer's special tokens "
+                                         "(send token ids for another encoding)"),
+}
+
+
 # The request fields that generation_config.json can default (its max_new_tokens is the token limit).
 SAMPLING_FIELDS = tuple(name for name in GENERATION_DEFAULTS if name != "max_new_tokens")
 
@@ -77,6 +131,8 @@ SAMPLING_FIELDS = tuple(name for name in GENERATION_DEFAULTS if name != "max_new
 class GenerationRequest(Body):
     """What /v1/completions and /v1/chat/completions share (OpenAI's fields, then vLLM's extensions)."""
 
+    model_config = ConfigDict(extra="allow", strict=True)  # kept apart, in model_extra: see unknown_fields()
+    not_implemented: ClassVar[dict] = NOT_IMPLEMENTED
     model: Text | None = None
     max_tokens: Int64 | None = None
     n: Int64 = 1
@@ -102,28 +158,75 @@ class GenerationRequest(Body):
     priority: Int64 = 0
     cache_salt: Text | None = None
     structured_outputs: JsonObject | None = None
+    logit_bias: dict[Text, Finite] | None = None  # token id (as a string) -> bias
+    # Accepted, with no effect on the output (OpenAI's and vLLM's too): who asks, and hints for a cache router.
+    user: Text | None = None
+    metadata: JsonObject | None = None
+    session_id: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+    def unknown_fields(self) -> list[str]:
+        """The body's keys that no OpenAI or vLLM request has; raises for one this server does not implement."""
+        for name, value in (self.model_extra or {}).items():
+            off, why = self.not_implemented.get(name, ((value,), ""))
+            if value not in off:
+                raise field_error(name, f"{name}: {why}")
+        return [name for name in self.model_extra or {} if name not in self.not_implemented]
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation_config values (``LLMEngine.config.default_sampling_params()``)."""
-        if self.n != 1:
-            raise field_error("n", f"only n=1 is served (one choice per request), got n={self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "stream_options needs stream=true")
         given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
         sampling = {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS} | given
         return SamplingParams(
-            **sampling, seed=self.seed, max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            **sampling, n=self.n, seed=self.seed, logit_bias=token_id_keys(self.logit_bias),
+            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
             structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
 
 
+def token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON's string keys as token ids (SamplingParams checks the values, the engine the ids)."""
+    if logit_bias is None:
+        return None
+    try:
+        return {int(key): bias for key, bias in logit_bias.items()}
+    except ValueError:
+        raise field_error("logit_bias", f"logit_bias: its keys must be token ids, got {list(logit_bias)[:5]}") \
+            from None
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: Text | list[Int64]
+    not_implemented: ClassVar[dict] = NOT_IMPLEMENTED | COMPLETIONS_NOT_IMPLEMENTED
+    prompt: Text | list[Int64] | list[Text] | list[list[Int64]]
     max_tokens: Int64 | None = 16  # OpenAI's default for completions
     logprobs: Int64 | None = None
+    echo: bool = False  # each choice starts with its prompt (and, with logprobs, the prompt tokens' logprobs)
+    best_of: Int64 | None = None  # served when it equals n
+    prompt_logprobs: Int64 | None = None  # vLLM's: the prompt tokens' logprobs in the choice, not streamed
+
+    def prompts(self) -> list[str | list[int]]:
+        """A string, a list of token ids, or a list of either: one engine request each."""
+        if isinstance(self.prompt, str) or all(isinstance(p, int) for p in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs, defaults)
+        if self.best_of is not None and self.best_of != self.n:
+            raise field_error("best_of", f"best_of must equal n ({self.n}), got {self.best_of}: choosing the best n "
+                                         f"of more samples is not implemented (nor in vLLM's V1 engine)")
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "max_tokens=0 returns nothing without echo=true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise field_error("prompt_logprobs", "prompt_logprobs are not streamed (as in vLLM): use echo")
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else self.prompt_logprobs
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults, prompt_logprobs)
 
 
 class TextPart(Body):
@@ -217,6 +320,7 @@ class ChatMessage(Body):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    not_implemented: ClassVar[dict] = NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
@@ -225,13 +329,54 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # with tools: "auto"
     parallel_tool_calls: bool = True
+    continue_final_message: bool = False  # the model extends the last (assistant) message
+    chat_template_kwargs: JsonObject | None = None  # extra variables for the chat template (e.g. enable_thinking)
+    documents: list[dict[Text, Text]] | None = None  # for templates that render retrieved documents
+    include_reasoning: bool = True  # vLLM's; no reasoning parser runs, so there is no reasoning to leave out
+
+    def template_options(self) -> dict:
+        """What the chat template gets besides the messages."""
+        taken = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise field_error("chat_template_kwargs", f"chat_template_kwargs may not set {taken}: give them as "
+                                                      f"request fields")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise field_error("continue_final_message", "continue_final_message needs add_generation_prompt=false")
+        documents = {} if self.documents is None else {"documents": self.documents}
+        return {**(self.chat_template_kwargs or {}), **documents, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        if max_tokens == 0:
+            raise field_error("max_tokens", "max_tokens must be at least 1 (max_tokens=0 with echo is served on "
+                                            "/v1/completions)")
         return self.sampling_params(max_tokens, logprobs, defaults)
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Body):
+    model: Text | None = None
+    tokens: list[Int64]
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+TEMPLATE_ARGUMENTS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
 def structured_outputs_params(response_format: ResponseFormat | None,

@@ -281,7 +281,7 @@ async def create_response(server: OpenAIServer, body: ResponsesRequest, http: Re
     body.check_served()
     try:
         chat = body.to_chat()
-        request = await server.admit(chat, http)
+        request = (await server.admit(chat, http)).requests[0]  # one prompt, n = 1
         tool_use = server.tool_use(chat)
     except APIError as error:
         raise renamed(error) from None
