@@ -6,7 +6,9 @@ TCPStore: rank 0 hosts it (at ``master_addr:master_port``), or, under
 torchrun, its ``env://`` variables say where it is.
 """
 
+import ipaddress
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -55,6 +57,16 @@ def min_over_ranks(value: int, device: torch.device) -> int:
 def env_rank() -> int | None:
     """This process's rank when a launcher such as torchrun set the env:// variables, else None."""
     return int(os.environ["RANK"]) if all(name in os.environ for name in ENV_VARIABLES) else None
+
+
+def ip_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses ``host`` (a name, or an address, IPv6 possibly in brackets) stands for; none if it does not
+    resolve."""
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), None)
+    except (OSError, UnicodeError):
+        return []
+    return [ipaddress.ip_address(info[4][0].partition("%")[0]) for info in found]
 
 
 def rank_device(device: str, rank: int, world_size: int, ranks_per_node: int) -> torch.device:

@@ -141,22 +141,28 @@ def test_killing_one_core_fails_its_requests_and_the_other_keeps_serving_with_no
     wait_for(lambda: not any(alive(pid) for pid in family), "the dead core's processes to end")
 
 
-def headless_core(model: str, address: str, *flags: str, stderr=None) -> subprocess.Popen:
+def headless_core(model: str, address: str, key_file, *flags: str, stderr=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nanoengine.serve", model, "--headless", "--data-parallel-rank",
-                             "1", "--data-parallel-address", address, *flags], stderr=stderr, text=True)
+                             "1", "--data-parallel-address", address, "--cluster-key-file", str(key_file), *flags],
+                            stderr=stderr, text=True)
 
 
 def status(url: str) -> str:
     return httpx.get(f"{url}/health").json()["status"]
 
 
-def test_a_headless_core_joins_serves_and_rejoins_and_a_mismatched_one_is_refused(sharp_tiny_model):
+def test_a_headless_core_joins_serves_and_rejoins_and_a_mismatched_or_wrong_key_one_is_refused(sharp_tiny_model,
+                                                                                                tmp_path):
     model, address = sharp_tiny_model[0], f"127.0.0.1:{free_port()}"
-    mismatched = headless_core(model, address, "--max-model-len", "128", "--data-parallel-size", "2",
+    key, wrong_key = tmp_path / "key", tmp_path / "wrong-key"
+    key.write_text("the-cluster-key-that-both-sides-hold\n")
+    wrong_key.write_text("a-key-of-the-right-length-but-not-the-server's")
+    mismatched = headless_core(model, address, key, "--max-model-len", "128", "--data-parallel-size", "2",
                                stderr=subprocess.PIPE)
-    cores = [mismatched, headless_core(model, address, *FLAGS)]
+    cores = [mismatched, headless_core(model, address, key, *FLAGS)]
     try:
-        with running_server(model, *FLAGS, "--data-parallel-address", address) as (_, url):
+        with running_server(model, *FLAGS, "--data-parallel-address", address, "--cluster-key-file", str(key)) \
+                as (_, url):
             assert mismatched.wait(60) == 1
             engines = httpx.get(f"{url}/health").json()["engines"]
 
@@ -167,13 +173,16 @@ def test_a_headless_core_joins_serves_and_rejoins_and_a_mismatched_one_is_refuse
 
             replies = asyncio.run(two_at_once())
             generated = per_engine(url, "nanoengine:generation_tokens_total")
+            cores.append(headless_core(model, address, wrong_key, *FLAGS, stderr=subprocess.PIPE))
+            assert cores[-1].wait(120) == 1  # refused while both cores serve
+            assert status(url) == "ok"
             cores[1].kill()
             wait_for(lambda: status(url) == "degraded", "the server to see rank 1 gone")
-            cores.append(headless_core(model, address, *FLAGS))  # rank 1 again, in a new process
+            cores.append(headless_core(model, address, key, *FLAGS))  # rank 1 again, in a new process
             wait_for(lambda: status(url) == "ok", "rank 1 to join again")
             again = asyncio.run(two_at_once())
             generated_again = per_engine(url, "nanoengine:generation_tokens_total")
-        assert cores[2].wait(60) == 0  # it stops when the front goes away
+        assert cores[3].wait(60) == 0  # it stops when the front goes away
     finally:
         for process in cores:
             process.kill()
@@ -184,6 +193,7 @@ def test_a_headless_core_joins_serves_and_rejoins_and_a_mismatched_one_is_refuse
     assert generated_again == {"0": 48, "1": 48}  # the new rank 1 served one of them
     assert "refused this core: it runs another model or config: max_model_len=128 (this server: 512)" in \
         mismatched.stderr.read()
+    assert "the front refused this core: it did not prove the cluster key" in cores[2].stderr.read()
 
 
 def core(rank: int, *, running: int = 0, sent: int = 0, cached: list[int] = ()) -> CoreLoad:

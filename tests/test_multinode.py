@@ -15,7 +15,7 @@ from conftest import build_tiny_model
 from test_tensor_parallel import GREEDY, PROMPTS, SMALL_ENGINE, raised_within
 
 from nanoengine import LLM, distributed
-from nanoengine.serve.cli import serve
+from nanoengine.serve.cli import serve, warn_unless_private
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,3 +214,10 @@ def is_running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("master_addr, warned", [("8.8.8.8", True), ("10.0.0.1", False), ("127.0.0.1", False),
+                                                 ("localhost", False), ("192.168.1.20", False)])
+def test_the_launcher_warns_when_the_rendezvous_is_not_on_a_private_network(master_addr, warned, caplog):
+    warn_unless_private(master_addr)
+    assert ("is not a private or loopback address" in caplog.text) == warned

@@ -12,8 +12,8 @@ step fails halfway (the others may sit in a collective that rank 0 left), every 
 """
 
 import contextlib
+import json
 import multiprocessing.connection
-import pickle
 import threading
 import time
 import weakref
@@ -140,8 +140,9 @@ class GroupHealth:
                 raise RuntimeError(f"tensor-parallel rank(s) {missing} did not join within {STARTUP_TIMEOUT}")
             time.sleep(0.05)
             missing = [rank for rank in missing if not self.store.check([worker.heartbeat_key(rank)])]
+        options = json.loads(json.dumps(options))  # as the workers' arrive (JSON has no int keys nor tuples)
         for rank in range(1, self.world_size):
-            theirs = pickle.loads(self.store.get(worker.options_key(rank)))
+            theirs = json.loads(self.store.get(worker.options_key(rank)))
             differ = [f"{name} {theirs.get(name)!r} (the head's: {value!r})" if name != "config.json" else name
                       for name, value in options.items() if theirs.get(name) != value]
             if differ:

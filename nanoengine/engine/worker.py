@@ -14,9 +14,9 @@ head gives up on the group, or when the process that started it dies:
 nothing is left orphaned.
 """
 
+import json
 import multiprocessing
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -156,7 +156,7 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     """Join the group, build this rank's shard, run every step rank 0 sends until None."""
     world_size = config.tensor_parallel_size
     store = connect_store(config.master_addr, port, rank, world_size)
-    store.set(options_key(rank), pickle.dumps(config.group_options()))  # rank 0 checks them before going on
+    store.set(options_key(rank), json.dumps(config.group_options()))  # rank 0 checks them before going on
     stopping = threading.Event()
     threading.Thread(target=send_heartbeats, args=(another_client(store), rank, stopping), daemon=True,
                      name="nanoengine-heartbeat").start()

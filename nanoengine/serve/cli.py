@@ -4,7 +4,9 @@ The front process (this one) validates the options, starts the engine-core proce
 (``--data-parallel-size``, each with its own KV cache), and serves HTTP once every core has loaded
 the model. SIGINT or SIGTERM ends in-flight requests and stops the engine cores; if every engine core
 dies, the server exits with code 1. ``--headless`` runs one engine core that joins a front on another
-node (``--data-parallel-rank R --data-parallel-address HOST:PORT``) instead of serving HTTP.
+node (``--data-parallel-rank R --data-parallel-address HOST:PORT``) instead of serving HTTP. The front and
+its cores prove to each other that they hold the cluster key (``--cluster-key-file`` or
+``$NANOENGINE_CLUSTER_KEY``), which a data-parallel address other than loopback requires.
 """
 
 import argparse
@@ -25,7 +27,7 @@ import uvicorn
 
 from nanoengine import prefix_report
 from nanoengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
-from nanoengine.distributed import env_rank
+from nanoengine.distributed import env_rank, ip_addresses
 from nanoengine.engine.worker import run_node
 from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
@@ -36,6 +38,8 @@ from nanoengine.utils.gc_heap import freeze_startup_heap
 
 ENGINE_OPTIONS = [f for f in fields(EngineConfig) if f.init and f.name != "model"]
 SERVER_CPU_DEFAULTS = {"max_num_batched_tokens": 2048, "max_num_seqs": 128}  # vLLM's API server's, on the CPU
+CLUSTER_KEY_VARIABLE = "NANOENGINE_CLUSTER_KEY"
+MIN_CLUSTER_KEY_BYTES = 16
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--headless", action="store_true",
                         help="serve no HTTP: run an engine core that joins the front at --data-parallel-address, "
                              "or, with --nnodes N --node-rank R > 0, this node's tensor-parallel workers")
+    parser.add_argument("--cluster-key-file", metavar="PATH",
+                        help="a file holding the secret that the server and its engine cores share, at least "
+                             f"{MIN_CLUSTER_KEY_BYTES} bytes (default: ${CLUSTER_KEY_VARIABLE}); needed when "
+                             "--data-parallel-address is not a loopback address")
     add_engine_flags(parser)
     return parser
 
@@ -93,14 +101,15 @@ class HTTPServer(uvicorn.Server):
         yield  # run_server handles the signals for the server's whole life, startup included
 
 
-async def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+async def run_server(args: argparse.Namespace, config: EngineConfig, cluster_key: bytes) -> int:
     loop = asyncio.get_running_loop()
     on_signal = asyncio.current_task().cancel  # while the model loads; then a graceful stop
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: on_signal())
     name = Path(config.model).name
     metrics = Metrics(name)
-    client = EngineCoreClient(config, metrics.record_stats)
+    client = EngineCoreClient(config, metrics.record_stats, cluster_key)
+    client.on_dropped_frame = metrics.dropped_frames.labels(name).inc
     try:
         validator = RequestValidator(config)
         validator.config.max_model_len = await client.start()
@@ -131,18 +140,55 @@ def serve(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_options(args.model or default_model_path(), options)
     except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
+    if config.nnodes > 1:
+        warn_unless_private(os.environ.get("MASTER_ADDR", config.master_addr))
     if config.node_ranks()[0] != 0:
         return run_tensor_parallel_node(parser, args, config)
+    cluster_key = read_cluster_key(parser, args, config)
     if args.headless:
-        return run_headless(parser, config)
-    return asyncio.run(run_server(args, config))
+        return run_headless(parser, config, cluster_key)
+    return asyncio.run(run_server(args, config, cluster_key))
 
 
-def run_headless(parser: argparse.ArgumentParser, config: EngineConfig) -> int:
+def read_cluster_key(parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig) -> bytes:
+    """The key from --cluster-key-file, else from the environment (never from a flag's value, which ``ps``
+    shows); b"" when there is none, which only a loopback data-parallel address may go without."""
+    try:
+        key = (Path(args.cluster_key_file).read_bytes() if args.cluster_key_file
+               else os.environ.get(CLUSTER_KEY_VARIABLE, "").encode()).strip()
+    except OSError as error:
+        parser.error(f"--cluster-key-file: {error}")
+    if key and len(key) < MIN_CLUSTER_KEY_BYTES:
+        source = "--cluster-key-file" if args.cluster_key_file else f"${CLUSTER_KEY_VARIABLE}"
+        parser.error(f"{source}: the key is {len(key)} bytes, fewer than {MIN_CLUSTER_KEY_BYTES} (make one with: "
+                     "openssl rand -hex 32 > PATH)")
+    if config.data_parallel_address is not None and not key:
+        host = config.data_parallel_address.rpartition(":")[0]
+        addresses = ip_addresses(host)
+        if not addresses or not all(address.is_loopback for address in addresses):
+            parser.error(f"--data-parallel-address {config.data_parallel_address} is reachable from other hosts, "
+                         "and no cluster key is set: anyone who reaches the port could join as an engine core and "
+                         "read the prompts. Give the server and every headless core the same secret with "
+                         f"--cluster-key-file PATH (e.g. openssl rand -hex 32 > PATH) or ${CLUSTER_KEY_VARIABLE}, "
+                         "or use a loopback address")
+    return key
+
+
+def warn_unless_private(master_addr: str) -> None:
+    """The tensor-parallel ranks trust whatever reaches their rendezvous (torch.distributed's store and
+    collectives have no authentication): say so when the head's address is not a private one."""
+    addresses = ip_addresses(master_addr)
+    if not addresses or not all(address.is_private for address in addresses):
+        logger.warning("--master-addr %s is not a private or loopback address: the tensor-parallel rendezvous and "
+                       "its collectives are unauthenticated (anyone who reaches their ports can join or disrupt the "
+                       "group); keep every node's ports on a private network (see docs/security.md)", master_addr)
+
+
+def run_headless(parser: argparse.ArgumentParser, config: EngineConfig, cluster_key: bytes) -> int:
     if config.data_parallel_address is None:
         parser.error("--headless needs --data-parallel-address HOST:PORT (the front's) and --data-parallel-rank, "
                      "or --nnodes N --node-rank R > 0 for a node of a tensor-parallel group")
-    return run_headless_core(config)
+    return run_headless_core(config, cluster_key)
 
 
 def run_tensor_parallel_node(parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig) -> int:

@@ -8,6 +8,11 @@ request's queue, so a slow HTTP client only ever delays its own queue. A core di
 heartbeats notice a silent node within seconds). Its requests then get ``EngineUnavailableError`` at
 once and the other cores keep serving; a dead core is not restarted (a remote one may join again under
 its rank). When no core is left, ``dead`` says why and ``on_death`` runs.
+
+The reader trusts no frame (codec.py has the protocol): a peer that has not proved the cluster key may only
+say hello and answer its challenge, an admitted core may only send what its state expects, and a frame that
+does not decode, or does not fit, is dropped and counted (``dropped_frames``; a log line at most every
+``DROP_LOG_INTERVAL_S``). Nothing else happens: the serving cores never notice.
 """
 
 import asyncio
@@ -15,9 +20,9 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import pickle
 import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -28,20 +33,29 @@ from zmq.utils.monitor import parse_monitor_message
 from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import field_error
-from nanoengine.serve.engine_core import (
-    HEARTBEAT_MS,
+from nanoengine.serve.codec import (
+    TO_FRONT,
+    Abort,
+    Admission,
+    Challenge,
+    Codec,
     EngineCoreFailed,
-    EngineCoreHello,
     EngineCoreOutputs,
-    EngineCoreReady,
     EngineCoreRequest,
-    fingerprint,
-    run_engine_core,
+    Hello,
+    Proof,
+    Ready,
+    mac,
+    new_nonce,
+    proves,
 )
+from nanoengine.serve.engine_core import HEARTBEAT_MS, fingerprint, run_engine_core
 from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
 
 logger = logging.getLogger("nanoengine.serve")
 STOP_TIMEOUT_S = 30  # how long a stopping engine core may take to close before it is killed
+MAX_HANDSHAKES = 16  # peers between their hello and their proof; a newer one pushes out the oldest
+DROP_LOG_INTERVAL_S = 10.0
 
 
 class EngineUnavailableError(RuntimeError):
@@ -66,9 +80,13 @@ class EngineCore(CoreLoad):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[int, EngineStats], None]):
-        self.config, self.on_stats = config, on_stats
+    def __init__(self, config: EngineConfig, on_stats: Callable[[int, EngineStats], None], cluster_key: bytes = b""):
+        self.config, self.on_stats, self.cluster_key = config, on_stats, cluster_key
         self.on_death: Callable[[], None] = lambda: None
+        self.on_dropped_frame: Callable[[], None] = lambda: None
+        self.codec = Codec(TO_FRONT)
+        self.handshakes: dict[bytes, tuple[Hello, bytes]] = {}  # peer -> its hello and the nonce it must sign
+        self.dropped_frames, self.next_drop_log = 0, 0.0
         self.queues: dict[str, asyncio.Queue] = {}
         self.router = Router(config.data_parallel_routing)
         self.cores = [EngineCore(rank) for rank in range(config.data_parallel_size)]
@@ -87,7 +105,7 @@ class EngineCoreClient:
             self.socket.bind(f"tcp://{config.data_parallel_address}")
         spawn = multiprocessing.get_context("spawn")
         for core in self.cores[:config.data_parallel_size_local]:
-            core.process = spawn.Process(target=run_engine_core, args=(config, local_address, core.rank),
+            core.process = spawn.Process(target=run_engine_core, args=(config, local_address, core.rank, cluster_key),
                                          name=f"nanoengine-core-{core.rank}")
             core.process.start()
             logger.info("engine core %d started (pid %d)", core.rank, core.process.pid)
@@ -112,20 +130,42 @@ class EngineCoreClient:
 
     async def read_messages(self) -> None:
         while True:
-            identity, payload = await self.socket.recv_multipart(copy=False)
-            identity = identity.bytes
-            core = next((c for c in self.cores if c.identity == identity and not c.dead), None)
-            message = pickle.loads(payload.bytes)
-            if isinstance(message, EngineCoreHello):
-                await self.admit(identity, message, payload.get(zmq.SRCFD))
-            elif core is None:
-                continue  # from a core declared dead meanwhile
-            elif isinstance(message, EngineCoreReady):
-                self.core_ready(core, message)
-            elif isinstance(message, EngineCoreFailed):
-                self.core_died(core, f"{core.describe()} failed: {message.why}")
-            else:
-                self.route_outputs(core, message)
+            identity, *frames = await self.socket.recv_multipart(copy=False)
+            try:
+                message = self.codec.decode(frames)
+            except ValueError as error:
+                self.drop(identity.bytes, str(error))
+                continue
+            await self.dispatch(identity.bytes, message, frames[0].get(zmq.SRCFD))
+
+    async def dispatch(self, identity: bytes, message, connection: int) -> None:
+        """Act on a message that fits its sender's state; drop any other."""
+        core = next((c for c in self.cores if c.identity == identity), None)
+        if core is None and isinstance(message, Hello):
+            await self.challenge(identity, message)
+        elif core is None and isinstance(message, Proof) and identity in self.handshakes:
+            await self.admit(identity, message, connection)
+        elif core is None:
+            self.drop(identity, f"a {type(message).__name__} from a peer that has not been admitted")
+        elif core.dead:
+            return  # from a core declared dead meanwhile
+        elif isinstance(message, EngineCoreFailed):
+            self.core_died(core, f"{core.describe()} failed: {message.why}")
+        elif isinstance(message, Ready) and not core.ready:
+            self.core_ready(core, message)
+        elif isinstance(message, EngineCoreOutputs) and core.ready:
+            self.route_outputs(core, message)
+        else:
+            self.drop(identity, f"a {type(message).__name__} from {core.describe()}, which is {core.state}")
+
+    def drop(self, identity: bytes, why: str) -> None:
+        self.dropped_frames += 1
+        self.on_dropped_frame()
+        now = time.monotonic()
+        if now >= self.next_drop_log:
+            self.next_drop_log = now + DROP_LOG_INTERVAL_S
+            logger.warning("dropped a frame from peer %s on the engine-core socket: %s (%d dropped so far)",
+                           identity.hex(), why, self.dropped_frames)
 
     async def watch_connections(self) -> None:
         """A remote core whose connection drops (its process ended, or its node fell silent) is dead."""
@@ -135,27 +175,45 @@ class EngineCoreClient:
             if core is not None and core.process is None:
                 self.core_died(core, f"{core.describe()} disconnected")
 
-    async def admit(self, identity: bytes, hello: EngineCoreHello, connection: int) -> None:
-        """Take a core that said hello under its rank, or tell it why not."""
+    async def challenge(self, identity: bytes, hello: Hello) -> None:
+        """Answer a hello with a nonce for the peer to sign with the cluster key."""
+        if len(self.handshakes) >= MAX_HANDSHAKES:
+            del self.handshakes[next(iter(self.handshakes))]
+        nonce = new_nonce()
+        self.handshakes[identity] = hello, nonce
+        await self.socket.send_multipart([identity, self.codec.encode(Challenge(nonce))])
+
+    async def admit(self, identity: bytes, proof: Proof, connection: int) -> None:
+        """Take a core that proved the cluster key under the rank it said hello with, or tell it why not."""
+        hello, nonce = self.handshakes.pop(identity)
+        if proves(self.cluster_key, proof.mac, "core", nonce, hello.nonce):
+            why = self.refusal(hello)
+        else:
+            why = "it did not prove the cluster key (is its key this server's?)"
+        if why is None:
+            core = self.cores[hello.rank]
+            core.identity, core.connection, core.dead, core.ready = identity, connection, None, False
+        else:
+            logger.warning("refused an engine core claiming rank %d: %s", hello.rank, why)
+        reply = Admission(why, mac(self.cluster_key, "front", hello.nonce, nonce) if why is None else b"")
+        await self.socket.send_multipart([identity, self.codec.encode(reply)])
+
+    def refusal(self, hello: Hello) -> str | None:
+        """Why a core that proved the key may not serve under the rank it claims, or None."""
         core = self.cores[hello.rank] if 0 <= hello.rank < len(self.cores) else None
         differences = [f"{name}={hello.fingerprint.get(name)!r} (this server: {value!r})"
                        for name, value in self.expected.items() if hello.fingerprint.get(name) != value]
         if core is None:
-            why = f"rank {hello.rank} is outside this server's data_parallel_size={len(self.cores)}"
-        elif differences:
-            why = "it runs another model or config: " + "; ".join(differences)
-        elif core.process is not None and core.identity is not None:
-            why = f"rank {hello.rank} is one of this server's own local cores"
-        elif core.identity is not None and not core.dead:
-            why = f"rank {hello.rank} is already served by another engine core"
-        else:
-            core.identity, core.connection, core.dead, core.ready = identity, connection, None, False
-            await self.socket.send_multipart([identity, pickle.dumps(None)])
-            return
-        logger.warning("refused an engine core claiming rank %d: %s", hello.rank, why)
-        await self.socket.send_multipart([identity, pickle.dumps(why)])
+            return f"rank {hello.rank} is outside this server's data_parallel_size={len(self.cores)}"
+        if differences:
+            return "it runs another model or config: " + "; ".join(differences)
+        if core.process is not None and core.identity is not None:
+            return f"rank {hello.rank} is one of this server's own local cores"
+        if core.identity is not None and not core.dead:
+            return f"rank {hello.rank} is already served by another engine core"
+        return None
 
-    def core_ready(self, core: EngineCore, ready: EngineCoreReady) -> None:
+    def core_ready(self, core: EngineCore, ready: Ready) -> None:
         core.ready, core.capacity = True, ready.num_kvcache_blocks
         self.config.max_model_len = min(self.config.max_model_len, ready.max_model_len)
         logger.info("engine core %d ready (%d KV-cache blocks)", core.rank, ready.num_kvcache_blocks)
@@ -214,7 +272,7 @@ class EngineCoreClient:
         core.request_ids.add(request.request_id)
         finished = False
         try:
-            await self.socket.send_multipart([core.identity, pickle.dumps(request)])
+            await self.socket.send_multipart([core.identity, self.codec.encode(request)])
             while not finished:
                 output = await queue.get()
                 if isinstance(output, Exception):
@@ -225,7 +283,7 @@ class EngineCoreClient:
             del self.queues[request.request_id]
             core.request_ids.discard(request.request_id)
             if not finished and not core.dead:  # an abort: fire and forget
-                self.socket.send_multipart([core.identity, pickle.dumps([request.request_id])])
+                self.socket.send_multipart([core.identity, self.codec.encode(Abort([request.request_id]))])
 
     def health(self) -> list[dict]:
         return [{"rank": core.rank, "state": core.state, "pid": core.process and core.process.pid,

@@ -40,6 +40,9 @@ class Metrics:
         self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between output tokens",
                           buckets=LATENCY_BUCKETS)
         self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
+        self.dropped_frames = Counter("nanoengine:engine_core_frames_dropped", "Frames the front dropped from its "
+                                      "engine-core socket: undecodable, out of turn, or from a peer not admitted",
+                                      ["model_name"], registry=self.registry)
         self.last_totals: dict[int, tuple] = {}  # per core: its cumulative counts (as in record_stats) seen so far
 
     def record_stats(self, engine: int, stats: EngineStats) -> None:

@@ -1,0 +1,114 @@
+"""The front <-> engine-core protocol: its messages, their encoding, and the cluster key's proofs.
+
+Every message is one ZMQ frame of msgpack, written and read by msgspec against the messages' types, for the
+local cores (ipc) and the remote ones (TCP) alike. Decoding builds only the messages of the frame's direction
+and the dataclasses they hold (SamplingParams, RequestOutput, EngineStats, each checked as it is built); any
+other frame raises, so a peer can never make the other side run code, only send it a frame it drops.
+
+Before a core is admitted, it and the front prove to each other that they hold the cluster key: each sends a
+fresh random nonce, and each answers with an HMAC-SHA256 of both nonces under the key, labelled with its role
+so that one side's answer never serves as the other's:
+
+    core  -> front   Hello(rank, fingerprint, nonce)
+    front -> core    Challenge(nonce)
+    core  -> front   Proof(mac)                  HMAC(key, "core" + the front's nonce + the core's)
+    front -> core    Admission(refusal, mac)     HMAC(key, "front" + the core's nonce + the front's); refusal
+                                                 None: welcome, else why not
+    core  -> front   Ready                       once it loaded the model
+    front -> core    EngineCoreRequest, Abort    from then on
+    core  -> front   EngineCoreOutputs           after each wake-up; EngineCoreFailed before it exits on an error
+"""
+
+import hashlib
+import hmac
+import secrets
+from typing import Annotated, Any
+
+import msgspec
+
+from nanoengine.outputs import EngineStats, RequestOutput
+from nanoengine.sampling_params import SamplingParams
+
+NONCE_BYTES = 32
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+
+
+class Hello(msgspec.Struct, tag=True):
+    rank: int
+    fingerprint: dict[str, Any]  # what must equal the front's for the core to join (engine_core.fingerprint)
+    nonce: Nonce
+
+
+class Challenge(msgspec.Struct, tag=True):
+    nonce: Nonce
+
+
+class Proof(msgspec.Struct, tag=True):
+    mac: bytes
+
+
+class Admission(msgspec.Struct, tag=True):
+    refusal: str | None  # None: the core is admitted
+    mac: bytes
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int  # possibly lowered to fit the KV cache
+    num_kvcache_blocks: int
+
+
+class EngineCoreRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # with output_kind=DELTA
+    priority: int
+    arrival_time: float  # wall clock (time.time()), stamped in the front
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]  # without their prompt_token_ids: the front has them
+    stats: EngineStats
+    refused: dict[str, tuple[str, str | None]] = {}  # request id -> (why, the field at fault)
+
+
+class EngineCoreFailed(msgspec.Struct, tag=True):
+    why: str  # the front fails the core's requests with it: it names a dead tensor-parallel rank
+
+
+TO_FRONT = Hello | Proof | Ready | EngineCoreOutputs | EngineCoreFailed
+TO_CORE = Challenge | Admission | EngineCoreRequest | Abort
+
+
+class Codec:
+    """One side's encoder, and its decoder of what the other side sends (``TO_FRONT`` or ``TO_CORE``)."""
+
+    def __init__(self, incoming):
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decoder = msgspec.msgpack.Decoder(incoming)
+
+    def decode(self, frames: list) -> Any:
+        """The message in a one-frame multipart message (bytes or zmq Frames); raises ValueError for anything
+        else."""
+        if len(frames) != 1:
+            raise ValueError(f"{len(frames)} frames where one was expected")
+        try:
+            return self.decoder.decode(memoryview(frames[0]))
+        except Exception as error:  # whatever a hostile frame makes the decoder raise (depth, size, bad values)
+            raise ValueError(f"{type(error).__name__}: {error}") from None
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def mac(key: bytes, role: str, *nonces: bytes) -> bytes:
+    return hmac.new(key, role.encode() + b"".join(nonces), hashlib.sha256).digest()
+
+
+def proves(key: bytes, claimed: bytes, role: str, *nonces: bytes) -> bool:
+    return hmac.compare_digest(claimed, mac(key, role, *nonces))
