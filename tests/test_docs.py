@@ -1,5 +1,5 @@
 """The docs cannot rot: the walkthrough's commands print every line it shows, docs/api.md lists every option, and
-every relative link in the README and docs/ leads to a file and heading that exist."""
+every relative link in the README, docs/ and examples/ leads to a file and heading that exist."""
 
 import os
 import re
@@ -13,7 +13,7 @@ from nanoengine.config import EngineConfig
 ROOT = Path(__file__).parents[1]
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 API_REFERENCE = ROOT / "docs" / "api.md"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.md"))]
 
 
 def commands_and_shown_output(text: str) -> list[tuple[str, list[str]]]:
