@@ -14,6 +14,7 @@ import json
 import secrets
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,10 +24,12 @@ from starlette.exceptions import HTTPException
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.sampling_params import SamplingParams
 from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
 from nanoengine.serve.engine_core import EngineCoreRequest
 from nanoengine.serve.metrics import Metrics
 from nanoengine.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from nanoengine.serve.tools import ToolUse
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
@@ -53,8 +56,9 @@ class RequestValidator(LLMEngine):
 
 class OpenAIServer:
     def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
-                 metrics: Metrics):
+                 metrics: Metrics, tool_call_parser: str | None = None):
         self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
+        self.tool_call_parser = tool_call_parser  # for tool_choice "auto" (None: refused)
         self.generation_defaults = validator.config.default_sampling_params()
         self.shutting_down = False
 
@@ -79,6 +83,8 @@ class OpenAIServer:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             params = body.to_sampling_params(self.generation_defaults)
+            if chat:
+                params = self.with_tool_grammar(body, params)
             request = self.validator.make_request(request_id, prompt, params, body.priority)
         except (ValueError, TypeError) as error:
             engine_field = getattr(error, "param", None)
@@ -88,11 +94,32 @@ class OpenAIServer:
                                  request.arrival_time, request.cache_salt)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.for_template() for m in body.messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        options = {"add_generation_prompt": body.add_generation_prompt}
         try:
-            return self.validator.render_chat([m.for_template() for m in body.messages],
-                                              add_generation_prompt=body.add_generation_prompt)[1]
+            text, token_ids = self.validator.render_chat(messages, tools=tools, **options)
+            tool_use = self.tool_use(body)
+            if tool_use and tool_use.choice == "auto" and text == self.validator.render_chat(messages, **options)[0]:
+                raise APIError(400, 'the model\'s chat template does not render tools, so with tool_choice "auto" '
+                                    'the model would never see them; name a function or use "required"', "tools")
+            return token_ids
         except (ValueError, TemplateError) as error:  # e.g. a role the template refuses
             raise APIError(400, str(error), "messages") from error
+
+    def tool_use(self, body: GenerationRequest) -> ToolUse | None:
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        try:
+            return ToolUse.of(body, self.tool_call_parser)
+        except ValueError as error:
+            raise APIError(400, str(error), error.param) from error
+
+    def with_tool_grammar(self, body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """A named or required tool_choice forces its calls through structured outputs."""
+        tool_use = self.tool_use(body)
+        forced = tool_use and tool_use.structured_outputs()
+        return params if forced is None else replace(params, structured_outputs=forced)
 
     async def outputs(self, request: EngineCoreRequest):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
@@ -110,10 +137,12 @@ class OpenAIServer:
 
     async def respond(self, body: GenerationRequest, request: EngineCoreRequest, chat: bool, http: Request):
         base = {"id": request.request_id, "created": int(time.time()), "model": self.model_names[0]}
+        tool_use = self.tool_use(body)
         if body.stream:  # a client that hangs up closes the stream, and with it the request
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.sse(base, request, chat, include_usage), media_type="text/event-stream")
-        reply = asyncio.ensure_future(self.whole_reply(base, request, chat))
+            return StreamingResponse(self.sse(base, request, chat, include_usage, tool_use),
+                                     media_type="text/event-stream")
+        reply = asyncio.ensure_future(self.whole_reply(base, request, chat, tool_use))
         while not reply.done():
             if await http.is_disconnected():
                 reply.cancel()  # EngineCoreClient.generate then aborts the request in the engine core
@@ -121,7 +150,8 @@ class OpenAIServer:
             await asyncio.wait([reply], timeout=DISCONNECT_POLL_S)
         return reply.result()
 
-    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool) -> dict:
+    async def whole_reply(self, base: dict, request: EngineCoreRequest, chat: bool,
+                          tool_use: ToolUse | None = None) -> dict:
         text, token_ids, logprobs, output = "", [], [], None
         async for output in self.outputs(request):
             completion = output.outputs[0]
@@ -129,11 +159,15 @@ class OpenAIServer:
             logprobs += completion.logprobs or []
         choice = make_choice(chat, False, text, output.outputs[0].finish_reason,
                              format_logprobs(chat, token_ids, logprobs, request.params.logprobs))
+        if tool_use is not None:
+            choice = tool_use.shape_message(choice)
         return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": usage(len(request.prompt_token_ids), len(token_ids), output.num_cached_tokens)}
 
-    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool):
+    async def sse(self, base: dict, request: EngineCoreRequest, chat: bool, include_usage: bool,
+                  tool_use: ToolUse | None = None):
         base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
+        shaper = tool_use and tool_use.chunk_shaper()
         extra = {"usage": None} if include_usage else {}
         num_tokens = num_cached_tokens = 0
         try:
@@ -146,6 +180,8 @@ class OpenAIServer:
                 num_cached_tokens = output.num_cached_tokens
                 logprobs = format_logprobs(chat, completion.token_ids, completion.logprobs, request.params.logprobs)
                 choice = make_choice(chat, True, completion.text, completion.finish_reason, logprobs)
+                if shaper and (choice := shaper.shape(choice)) is None:
+                    continue  # text held back, e.g. what may start a tool call's tag
                 yield sse_event({**base, "choices": [choice], **extra})
             if include_usage:
                 yield sse_event({**base, "choices": [],
@@ -164,14 +200,17 @@ def request_field(body: GenerationRequest, engine_field: str | None) -> str | No
         return "messages" if chat else "prompt"
     if engine_field == "logprobs" and chat:
         return "top_logprobs"
+    if engine_field == "structured_outputs" and chat and body.tools and body.tool_choice not in (None, "none", "auto"):
+        return "tools"  # the grammar of a forced tool call: its parameters' schema
     if engine_field == "structured_outputs" and body.structured_outputs is None:
         return "response_format"
     return engine_field
 
 
 def validation_error_param(error: dict) -> str:
-    """A pydantic error's location as a dotted field path, without the union members it tried."""
-    return ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or p.isidentifier())
+    """A pydantic error's location as a dotted field path, without the union members it tried (``str``,
+    ``list[int]``, a model's class name)."""
+    return ".".join(str(p) for p in error["loc"][1:] if isinstance(p, int) or p.isidentifier() and p[0].islower())
 
 
 def most_specific(errors: list[dict]) -> dict:
@@ -263,6 +302,12 @@ def create_app(server: OpenAIServer, api_key: str | None, max_request_bytes: int
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         return await server.respond(body, await asyncio.to_thread(server.engine_request, body), True, http)
+
+    from nanoengine.serve.responses import ResponsesRequest, create_response  # it builds on this module
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, http: Request):
+        return await create_response(server, body, http)
 
     app.include_router(v1)
 

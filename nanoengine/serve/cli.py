@@ -33,6 +33,7 @@ from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_a
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
 from nanoengine.serve.engine_core import run_headless_core
 from nanoengine.serve.metrics import Metrics
+from nanoengine.serve.tools import TOOL_CALL_PARSERS
 from nanoengine.utils.default_model import default_model_path
 from nanoengine.utils.gc_heap import freeze_startup_heap
 
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="demand 'Authorization: Bearer KEY' on /v1 routes (default: $NANOENGINE_API_KEY)")
     parser.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                         help="refuse (413) a request body larger than this (default: 4 MiB)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3)")
     parser.add_argument("--headless", action="store_true",
                         help="serve no HTTP: run an engine core that joins the front at --data-parallel-address, "
                              "or, with --nnodes N --node-rank R > 0, this node's tensor-parallel workers")
@@ -113,7 +118,8 @@ async def run_server(args: argparse.Namespace, config: EngineConfig, cluster_key
     try:
         validator = RequestValidator(config)
         validator.config.max_model_len = await client.start()
-        server = OpenAIServer(client, validator, [name, config.model], metrics)
+        server = OpenAIServer(client, validator, [name, config.model], metrics,
+                              args.tool_call_parser if args.enable_auto_tool_choice else None)
         app = create_app(server, args.api_key, args.max_request_bytes)
         http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S))
 
@@ -134,6 +140,8 @@ async def run_server(args: argparse.Namespace, config: EngineConfig, cluster_key
 def serve(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     nanoengine: %(message)s")
     try:
         options = with_server_defaults(engine_options(args))

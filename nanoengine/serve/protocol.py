@@ -7,9 +7,10 @@ most MAX_JSON_DEPTH deep. What the values mean is checked by SamplingParams and
 LLMEngine.make_request, the checks the offline LLM runs. Every error names its field.
 """
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from nanoengine.config import GENERATION_DEFAULTS
 from nanoengine.sampling_params import (
@@ -130,10 +131,73 @@ class TextPart(Body):
     text: Text
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(utf8)]
+
+
+class FunctionDefinition(Body):
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonObject | None = None  # a JSON schema; None takes no arguments
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: Text
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def json_arguments(arguments: str) -> str:
+    try:
+        shallow_json(json.loads(arguments) if arguments else {})
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the arguments are not JSON: {error}") from None
+    return arguments
+
+
+JsonArguments = Annotated[str, AfterValidator(json_arguments)]  # a call's arguments as the model wrote them
+
+
+class FunctionCall(Body):
+    name: Text
+    arguments: JsonArguments
+
+
+class ToolCall(Body):
+    """A call the assistant made, sent back in the conversation's history."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """Arguments as a dict: what chat templates that render tool calls expect (vLLM parses them too)."""
+        arguments = json.loads(self.function.arguments) if self.function.arguments else {}
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(Body):
     model_config = ConfigDict(extra="allow", strict=True)  # e.g. "name": passed on to the chat template
     role: Text
-    content: Text | list[TextPart]
+    # None only for an assistant message that made tool calls (OpenAI's history shape)
+    content: Text | list[TextPart] | None = Field(default=None, validate_default=True)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None  # a role "tool" message's answer to that call
+
+    @field_validator("content")
+    @classmethod
+    def content_or_tool_calls(cls, content, info: ValidationInfo):
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message may leave out its content")
+        return content
 
     @model_validator(mode="after")
     def shallow_extra_fields(self) -> "ChatMessage":
@@ -141,10 +205,14 @@ class ChatMessage(Body):
         return self
 
     def for_template(self) -> dict:
-        """Text parts joined into one string."""
-        message = self.model_dump()
+        """Text parts joined into one string (no content: ""), tool calls' arguments as dicts."""
+        message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        elif self.content is None:
+            message["content"] = ""
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return message
 
 
@@ -154,6 +222,9 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # with tools: "auto"
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
