@@ -1,4 +1,5 @@
-"""The docs cannot rot: the walkthrough's commands print every line it shows, and docs/api.md lists every option."""
+"""The docs cannot rot: the walkthrough's commands print every line it shows, docs/api.md lists every option, and
+every relative link in the README, docs/ and examples/ leads to a file and heading that exist."""
 
 import os
 import re
@@ -12,6 +13,7 @@ from nanoengine.config import EngineConfig
 ROOT = Path(__file__).parents[1]
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 API_REFERENCE = ROOT / "docs" / "api.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.md"))]
 
 
 def commands_and_shown_output(text: str) -> list[tuple[str, list[str]]]:
@@ -50,3 +52,36 @@ def test_the_api_reference_options_table_lists_every_engine_option():
     options = {f.name for f in fields(EngineConfig) if f.init} - {"model"}
     listed = set(re.findall(r"^\| `(\w+)` \|", API_REFERENCE.read_text(), re.M))
     assert options <= listed, f"missing from docs/api.md's options table: {sorted(options - listed)}"
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchor for each heading: lower case, punctuation dropped, spaces to hyphens (-1, -2 on repeats)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # a "#" inside a code block is no heading
+    anchors = set()
+    for heading in re.findall(r"^#+ +(.+?) *$", text, re.M):
+        anchor = base = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        repeat = 0
+        while anchor in anchors:
+            repeat += 1
+            anchor = f"{base}-{repeat}"
+        anchors.add(anchor)
+    return anchors
+
+
+def relative_links(text: str) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)  # code spans hold no links
+    return [target for target in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", target)]
+
+
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist():
+    broken = []
+    for page in PAGES:
+        for target in relative_links(page.read_text()):
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
