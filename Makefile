@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup example test lint bench bench-vllm
+.PHONY: setup example test lint bench bench-vllm bench-llamacpp llamacpp
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,3 +44,34 @@ $(VLLM_VENV)/.installed:
 
 bench-vllm: setup $(VLLM_VENV)/.installed
 	$(BIN)/python bench.py --preset cpu --compare hf,vllm
+
+# llama.cpp, the peer of `bench.py --compare llamacpp` and of the quality preset: built from the source the
+# llama-cpp-python sdist vendors (only pip leaves the machine), only the tools the benches run, in Release on
+# all cores at the lowest priority (the machine is shared; llama-tokenize checks that both sides read the text as
+# the same tokens); then the default model converted with its own converter to bf16 and Q8_0 GGUF files.
+LLAMACPP := .llamacpp
+LLAMACPP_PYTHON_VERSION ?= 0.3.36
+LLAMACPP_SRC := $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_PYTHON_VERSION)/vendor/llama.cpp
+LLAMACPP_TOOLS := llama-batched-bench llama-perplexity llama-quantize llama-tokenize
+
+$(LLAMACPP_SRC)/CMakeLists.txt:
+	mkdir -p $(LLAMACPP)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_PYTHON_VERSION) -d $(LLAMACPP)
+	tar -xzf $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_PYTHON_VERSION).tar.gz -C $(LLAMACPP)
+	touch $@
+
+$(LLAMACPP)/build/bin/.built: $(LLAMACPP_SRC)/CMakeLists.txt
+	nice -n 19 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+	nice -n 19 cmake --build $(LLAMACPP)/build --config Release -j $$(nproc) --target $(LLAMACPP_TOOLS)
+	touch $@
+
+$(LLAMACPP)/models/.converted: $(LLAMACPP)/build/bin/.built
+	$(BIN)/pip install --quiet -e ".[llamacpp]"
+	$(BIN)/python -m benchmarks.llamacpp convert --source $(LLAMACPP_SRC)
+	touch $@
+
+llamacpp: setup $(LLAMACPP)/models/.converted
+
+bench-llamacpp: llamacpp
+	$(BIN)/python bench.py --compare llamacpp

@@ -8,6 +8,8 @@
     python bench.py --preset spec [--compare vllm]
     python bench.py --preset serve [--compare vllm] [--num-prompts N] [--request-rate R] [--max-concurrency C]
     python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
+    python bench.py --compare llamacpp
+    python bench.py --preset quality [--n-ctx N]
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
@@ -25,8 +27,12 @@ does, at a light Poisson load and a saturating one, then overloaded at 4x the ca
 measured (goodput, 429s, a canary's TTFT; benchmarks/overload.py); with ``--compare vllm`` it measures ``vllm serve``
 on the same requests too, at float32 and at bfloat16;
 ``serve-dp`` runs a multi-tenant workload on one engine core and on two, under each routing rule.
+``--compare llamacpp`` runs llama-batched-bench's workload on llama.cpp's bf16 and Q8_0 files and on our
+engine in bfloat16 (``make bench-llamacpp`` builds llama.cpp); ``quality`` prints the perplexity of our
+bfloat16 and float32 and of llama.cpp's two files on a fixed text (benchmarks/quality.py says how it is scored).
 
-The presets' shared parts and peers live in benchmarks/ (common, roofline, peers, latency, serve, serve_dp, spec);
+The presets' shared parts and peers live in benchmarks/ (common, roofline, peers, latency, serve, serve_dp, spec,
+llamacpp, quality);
 this file runs the throughput and structured presets and is the entry point for all.
 """
 
@@ -49,7 +55,9 @@ from benchmarks.common import (
     run_ours,
 )
 from benchmarks.latency import chunked_preset, prefix_preset
+from benchmarks.llamacpp import compare_llamacpp, print_llamacpp_table
 from benchmarks.peers import compare_hf, compare_vllm
+from benchmarks.quality import print_quality_table, quality_preset
 from benchmarks.roofline import Hardware, ModelShape, Roofline, machine, roofline
 from benchmarks.serve import print_serve_table, serve_preset
 from benchmarks.serve_dp import print_serve_dp_table, serve_dp_preset
@@ -59,6 +67,8 @@ from nanoengine import LLM, StructuredOutputsParams
 
 def throughput_preset(args) -> dict:
     workload = preset_workload(args.preset, args.dtype)
+    if "llamacpp" in args.compare:  # llama.cpp runs its own workload: llama-batched-bench's
+        return compare_llamacpp(model_for(args), workload.dtype)
     return run_throughput(args.preset, workload, model_for(args), args.compare, args.rounds,
                           enforce_eager=args.enforce_eager)
 
@@ -114,6 +124,10 @@ def print_table(report: dict) -> None:
         return print_serve_table(report)
     if report["preset"] == "serve-dp":
         return print_serve_dp_table(report)
+    if report["preset"] == "llamacpp":
+        return print_llamacpp_table(report)
+    if report["preset"] == "quality":
+        return print_quality_table(report)
     print(f"\n{report['preset']} preset on {report['device']} ({report['model']})")
     if "machine" in report:
         print(f"machine: {machine_line(report['machine'])}; dtype {report['dtype']}")
@@ -183,13 +197,17 @@ def machine_line(machine: dict) -> str:
 
 PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset,
            "structured": structured_preset, "serve": serve_preset, "spec": spec_preset,
-           "serve-dp": serve_dp_preset}
+           "serve-dp": serve_dp_preset, "quality": quality_preset}
 
 
 def peer_set(text: str) -> set[str]:
     peers = set(text.split(","))
-    if not peers <= {"hf", "vllm"}:
-        raise argparse.ArgumentTypeError(f"unknown peer(s) {sorted(peers - {'hf', 'vllm'})}: choose hf, vllm")
+    if not peers <= {"hf", "vllm", "llamacpp"}:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {sorted(peers - {'hf', 'vllm', 'llamacpp'})}: "
+                                         "choose hf, vllm, llamacpp")
+    if "llamacpp" in peers and len(peers) > 1:
+        raise argparse.ArgumentTypeError("llamacpp runs llama-batched-bench's workload, not the preset's: "
+                                         "compare it alone")
     return peers
 
 
@@ -198,7 +216,8 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if on_gpu() else "cpu")
     parser.add_argument("--model", help="a Hugging Face model folder (default: per preset)")
     parser.add_argument("--compare", type=peer_set, default=set(),
-                        help="hf, vllm or hf,vllm: also run transformers and/or vLLM on the same requests")
+                        help="hf, vllm or hf,vllm: also run transformers and/or vLLM on the same requests; "
+                             "llamacpp: llama.cpp and ours on llama-batched-bench's workload")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -208,6 +227,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-concurrency", type=int, help="serve: most requests in flight")
     parser.add_argument("--rounds", type=int, default=1,
                         help="gpu/cpu: run ours and the peers this many times, alternated; the fastest of each counts")
+    parser.add_argument("--n-ctx", type=int, help="quality: the window's length in tokens (default 1024)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
     if args.rounds < 1:

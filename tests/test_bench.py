@@ -8,7 +8,7 @@ import torch
 from conftest import build_tiny_model
 
 import bench
-from benchmarks import common, latency, peers, serve_dp
+from benchmarks import common, latency, llamacpp, peers, serve_dp
 from benchmarks.common import Workload
 from benchmarks.roofline import Hardware, ModelShape, roofline
 
@@ -116,6 +116,38 @@ def test_compare_takes_a_list_of_known_peers():
     assert bench.parse_args([]).compare == set()
     with pytest.raises(SystemExit):
         bench.parse_args(["--compare", "hf,vllmm"])
+    assert bench.parse_args(["--compare", "llamacpp"]).compare == {"llamacpp"}
+    with pytest.raises(SystemExit):  # llama.cpp runs a workload of its own
+        bench.parse_args(["--compare", "hf,llamacpp"])
+
+
+def fake_tool(folder, name: str, output: str) -> None:
+    """A stand-in for a llama.cpp tool that prints ``output`` amid log lines, and fails unless flash attention
+    is on."""
+    script = folder / name
+    script.write_text(f"#!/bin/sh\ncase \"$*\" in *'-fa on'*) ;; *) exit 3;; esac\necho 'llama_model_loader: ...'\n"
+                      f"cat <<'EOF'\n{output}\nEOF\necho 'llama_perf_context_print: done'\n")
+    script.chmod(0o755)
+
+
+def test_llamacpp_results_are_found_among_its_log_lines(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(llamacpp, "TOOLS", tmp_path)
+    rows = [{"pl": n, "t": 0.5 * n, "speed": 1.0} for n in (1, 4)]
+    fake_tool(tmp_path, "llama-batched-bench", "\n".join(map(json.dumps, rows)))
+    fake_tool(tmp_path, "llama-perplexity", "perplexity: calculating perplexity over 5 chunks, n_ctx=1024\n"
+                                            "Final estimate: PPL = 18.9731 +/- 0.61")
+    assert llamacpp.batched_bench(tmp_path / "model.gguf", (1, 4)) == {1: 0.5, 4: 2.0}
+    assert llamacpp.llama_perplexity(tmp_path / "model.gguf", tmp_path / "text.txt", 1024) == (18.9731, 5 * 511)
+    bench.print_table({"preset": "llamacpp", "model": "m", "device": "cpu", "threads": 2, "workload": "w",
+                       "seconds": {"nanoengine bfloat16": {"1": 0.25, "4": 1.0}, "llama.cpp Q8_0": {"1": 0.5}}})
+    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["1", "0.25", "0.50", "2.00x"] in table and ["4", "1.00", "-", "-"] in table
+
+
+def test_llamacpp_peer_without_its_build_says_how_to_make_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(llamacpp, "TOOLS", tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="make llamacpp"):
+        llamacpp.batched_bench(tmp_path / "model.gguf")
 
 
 def test_vllm_peer_without_its_environment_says_how_to_make_it(monkeypatch, tmp_path):

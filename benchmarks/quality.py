@@ -1,0 +1,97 @@
+"""Perplexity over a fixed public-domain text, scored the way llama.cpp's ``llama-perplexity`` scores it.
+
+The text (tests/fixtures/alice_chapters_1_2.txt, its source in tests/fixtures/README.md) is tokenized whole,
+then cut into consecutive windows of ``n_ctx`` tokens (a last partial window is dropped). Each window is one
+prompt of its own, with nothing cached from the window before; within it only the second half is scored:
+positions ``n_ctx // 2 + 1`` to ``n_ctx - 1``, each given all the window's tokens before it, so every scored
+token sees at least half a window of context. Where the tokenizer adds a BOS token, it replaces each window's
+first token, as llama-perplexity does. Perplexity is exp of the mean negative log-likelihood of the scored
+tokens; ours comes from the engine's ``prompt_logprobs``.
+"""
+
+import math
+from pathlib import Path
+
+from nanoengine import LLM, SamplingParams
+
+TEXT = Path(__file__).parent.parent / "tests" / "fixtures" / "alice_chapters_1_2.txt"
+N_CTX = 1024  # 5 windows of the text, 2,555 scored tokens
+
+
+def window_starts(num_tokens: int, n_ctx: int) -> range:
+    """Where each whole window of ``n_ctx`` tokens starts."""
+    if num_tokens < 2 * n_ctx:
+        raise ValueError(f"n_ctx={n_ctx} needs at least {2 * n_ctx} tokens (llama-perplexity's rule), "
+                         f"the text has {num_tokens}")
+    return range(0, num_tokens // n_ctx * n_ctx, n_ctx)
+
+
+def scored_positions(n_ctx: int) -> range:
+    """The positions in a window whose tokens are scored: the second half, less its first token (whose logits,
+    at position n_ctx // 2 - 1, llama-perplexity does not ask for)."""
+    return range(n_ctx // 2 + 1, n_ctx)
+
+
+def windows(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[int]]:
+    cut = [tokens[start:start + n_ctx] for start in window_starts(len(tokens), n_ctx)]
+    return [[bos] + window[1:] for window in cut] if bos is not None else cut
+
+
+def text_tokens(tokenizer, text: str) -> tuple[list[int], int | None]:
+    """The text's token ids without special tokens, and the BOS id if this tokenizer adds one."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    with_specials = tokenizer("a", add_special_tokens=True).input_ids
+    bos = tokenizer.bos_token_id
+    return ids, bos if bos is not None and with_specials[0] == bos else None
+
+
+def engine_nlls(llm: LLM, tokens: list[int], n_ctx: int, bos: int | None = None) -> list[float]:
+    """The negative log-likelihood of every scored token, window by window, through ``prompt_logprobs``."""
+    prompts = windows(tokens, n_ctx, bos)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [-out.prompt_logprobs[pos][prompt[pos]].logprob
+            for prompt, out in zip(prompts, outputs) for pos in scored_positions(n_ctx)]
+
+
+def perplexity(nlls: list[float]) -> float:
+    return math.exp(sum(nlls) / len(nlls))
+
+
+def engine_perplexity(model: str, dtype: str, n_ctx: int = N_CTX, text: Path = TEXT, **llm_options) -> dict:
+    with LLM(model, dtype=dtype, max_model_len=n_ctx + 16, **llm_options) as llm:
+        context = llm.config.hf_config.max_position_embeddings
+        if n_ctx > context:
+            raise ValueError(f"n_ctx={n_ctx} is longer than the model's context ({context})")
+        tokens, bos = text_tokens(llm.get_tokenizer(), text.read_text())
+        nlls = engine_nlls(llm, tokens, n_ctx, bos)
+    return {"engine": f"nanoengine {dtype}", "perplexity": perplexity(nlls), "scored_tokens": len(nlls),
+            "text_tokens": len(tokens)}
+
+
+def quality_preset(args) -> dict:
+    """Our perplexity in bfloat16 and float32, and llama.cpp's with its bf16 and Q8_0 files (once
+    `make llamacpp` has built them), on the same text and windows."""
+    from benchmarks.common import model_for
+    from benchmarks.llamacpp import llamacpp_perplexities
+
+    model = model_for(args)
+    n_ctx = args.n_ctx or N_CTX
+    runs = [engine_perplexity(model, dtype, n_ctx) for dtype in ("bfloat16", "float32")]
+    for run in runs:
+        print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
+    peers, tokens_note = llamacpp_perplexities(model, n_ctx, TEXT)
+    return {"preset": "quality", "model": model, "text": TEXT.name, "n_ctx": n_ctx, "runs": runs + peers,
+            "tokens_note": tokens_note}
+
+
+def print_quality_table(report: dict) -> None:
+    print(f"\nquality preset: perplexity of {report['model']} on {report['text']}, windows of {report['n_ctx']} "
+          f"tokens, the second half of each scored")
+    base = report["runs"][0]["perplexity"]
+    print(f"{'engine':<30}{'perplexity':>12}{'vs ours bf16':>14}{'scored tokens':>15}")
+    for run in report["runs"]:
+        change = 100 * (run["perplexity"] / base - 1)
+        print(f"{run['engine']:<30}{run['perplexity']:>12.4f}{change:>+13.2f}%{run['scored_tokens']:>15,}")
+    if report["tokens_note"]:
+        print(report["tokens_note"])
