@@ -21,8 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
-from nanoengine.config import EngineConfig
-from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.processor import Processor
 from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
 from nanoengine.serve.engine_core import EngineCoreRequest
 from nanoengine.serve.metrics import Metrics
@@ -44,15 +43,8 @@ def engine_gone(why: str) -> APIError:
     return APIError(503, why, kind="service_unavailable")
 
 
-class RequestValidator(LLMEngine):
-    """LLMEngine's request checks (``make_request``) with a tokenizer and the config but no model."""
-
-    def __init__(self, config: EngineConfig):
-        self.init_request_checks(config)
-
-
 class OpenAIServer:
-    def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
+    def __init__(self, client: EngineCoreClient, validator: Processor, model_names: list[str],
                  metrics: Metrics):
         self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
         self.generation_defaults = validator.config.default_sampling_params()
