@@ -5,8 +5,10 @@ import random
 import pytest
 import torch
 from conftest import build_tiny_model, hf_greedy, keep_every_draft
+from transformers import LlamaConfig
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.models.llama import LlamaForCausalLM
 from nanoengine.platforms.cpu.linear import choose_linear_kernels
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -132,3 +134,15 @@ def check_layers_in_one_call(folder: str, hf_model, dtype: str, prompts: list[li
         else:
             llm.generate(prompts, GREEDY, use_tqdm=False)
         return kinds
+
+
+@pytest.mark.parametrize("feature", [{"sliding_window": 4096}, {"use_sliding_window": True, "sliding_window": 64},
+                                     {"num_local_experts": 8}, {"num_experts": 8}])
+def test_a_config_with_a_feature_the_decoder_lacks_fails_at_load(feature):
+    """Mistral's sliding window (no use_sliding_window flag) and MoE layers would be silently ignored."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, **feature)
+    with pytest.raises(ValueError, match="not supported"):
+        LlamaForCausalLM(config)
+    assert LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1)) is not None

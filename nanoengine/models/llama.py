@@ -124,8 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported")
+        # Features this decoder lacks fail here, at load, rather than change the model's output (docs/models.md).
+        if getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None):
+            raise ValueError("use_sliding_window=True is not supported (every layer attends to its whole context)")
+        if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+            raise ValueError("mixture-of-experts layers are not supported")
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(config, "attention_bias", False)
         self.model = DecoderModel(config, qkv_bias, self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
