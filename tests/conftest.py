@@ -10,10 +10,12 @@ from nanoengine import LLM
 from nanoengine.utils.default_model import default_model_path
 
 # `make test-fast` (`pytest -m "not slow"`) leaves these out: they start processes (servers, engine cores,
-# tensor-parallel workers, CLIs), load the real model's weights, or search many random schedules.
+# tensor-parallel workers, CLIs), load the real model's weights, interpret Triton kernels on the CPU, or search
+# many random schedules.
 SLOW_MODULES = {"test_server", "test_server_hostile", "test_data_parallel", "test_multinode", "test_tensor_parallel",
                 "test_real_model", "test_vllm_parity", "test_vllm_examples", "test_default_model", "test_docs",
-                "test_triton_end_to_end", "test_cpu_memory", "test_prefix_report", "test_invariants"}
+                "test_triton_attention", "test_triton_end_to_end", "test_cpu_memory", "test_prefix_report",
+                "test_invariants"}
 
 
 def pytest_collection_modifyitems(items):
