@@ -1,11 +1,12 @@
-# `make example` sets up .venv and chats with the default model; `make test` runs the checks CI runs.
+# `make example` sets up .venv and chats with the default model; `make test` runs the checks CI runs;
+# `make test-fast` the subset that starts no process and loads no real model (about two minutes).
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of torch this machine's pip finds on disk; override on a GPU machine (TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup example test lint bench bench-vllm bench-llamacpp llamacpp
+.PHONY: setup example test test-fast lint bench bench-vllm bench-llamacpp llamacpp
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,9 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: setup
 	$(BIN)/python bench.py --preset cpu --compare hf

@@ -10,6 +10,7 @@
     python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
     python bench.py --compare llamacpp
     python bench.py --preset quality [--n-ctx N]
+    python bench.py --preset profile [--num-prompts N] [--prompt-len L] [--dtype D]
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
 lengths, ``random.seed(0)``) on a Qwen3-0.6B-shaped model; without ``--model`` the model has random
@@ -30,6 +31,7 @@ on the same requests too, at float32 and at bfloat16;
 ``--compare llamacpp`` runs llama-batched-bench's workload on llama.cpp's bf16 and Q8_0 files and on our
 engine in bfloat16 (``make bench-llamacpp`` builds llama.cpp); ``quality`` prints the perplexity of our
 bfloat16 and float32 and of llama.cpp's two files on a fixed text (benchmarks/quality.py says how it is scored).
+``profile`` prints where one step's time goes (benchmarks/profile.py).
 
 The presets' shared parts and peers live in benchmarks/ (common, roofline, peers, latency, serve, serve_dp, spec,
 llamacpp, quality);
@@ -57,6 +59,7 @@ from benchmarks.common import (
 from benchmarks.latency import chunked_preset, prefix_preset
 from benchmarks.llamacpp import compare_llamacpp, print_llamacpp_table
 from benchmarks.peers import compare_hf, compare_vllm
+from benchmarks.profile import print_profile, profile_preset
 from benchmarks.quality import print_quality_table, quality_preset
 from benchmarks.roofline import Hardware, ModelShape, Roofline, machine, roofline
 from benchmarks.serve import print_serve_table, serve_preset
@@ -128,6 +131,8 @@ def print_table(report: dict) -> None:
         return print_llamacpp_table(report)
     if report["preset"] == "quality":
         return print_quality_table(report)
+    if report["preset"] == "profile":
+        return print_profile(report)
     print(f"\n{report['preset']} preset on {report['device']} ({report['model']})")
     if "machine" in report:
         print(f"machine: {machine_line(report['machine'])}; dtype {report['dtype']}")
@@ -168,7 +173,7 @@ def run_structured(workload: Workload, model: str, **llm_options) -> dict:
         "type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": workload.output_lens[1] + 1}}}
         for i in range(len(prompts))]
     with LLM(model, dtype=workload.dtype, max_model_len=workload.max_model_len, **llm_options) as llm:
-        compiler = llm.llm_engine.structured_output_manager()
+        compiler = llm.llm_engine.processor.structured_output_manager()
         start = time.perf_counter()
         constraints = [StructuredOutputsParams(json=s) for s in schemas]
         for constraint in constraints:  # each schema is new; the compiler's cache serves the run below
@@ -197,7 +202,7 @@ def machine_line(machine: dict) -> str:
 
 PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset,
            "structured": structured_preset, "serve": serve_preset, "spec": spec_preset,
-           "serve-dp": serve_dp_preset, "quality": quality_preset}
+           "serve-dp": serve_dp_preset, "quality": quality_preset, "profile": profile_preset}
 
 
 def peer_set(text: str) -> set[str]:
@@ -225,6 +230,7 @@ def parse_args(argv=None):
     parser.add_argument("--request-rate", type=float,
                         help="serve: one load at this Poisson rate (inf: all at once) instead of the preset's two")
     parser.add_argument("--max-concurrency", type=int, help="serve: most requests in flight")
+    parser.add_argument("--prompt-len", type=int, default=128, help="profile: each request's prompt tokens")
     parser.add_argument("--rounds", type=int, default=1,
                         help="gpu/cpu: run ours and the peers this many times, alternated; the fastest of each counts")
     parser.add_argument("--n-ctx", type=int, help="quality: the window's length in tokens (default 1024)")

@@ -9,8 +9,8 @@ import torch
 from transformers import PretrainedConfig
 
 from benchmarks.common import Step, sync
-from nanoengine.layers.linear import kernels_for, linear, only_kernel
 from nanoengine.models.llama import head_dim_of
+from nanoengine.platforms.cpu.linear import kernels_for, linear, only_kernel
 from nanoengine.utils.cpu_info import cpu_flags, cpu_model
 
 

@@ -6,19 +6,17 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from nanoengine.attention import resolve_backend
-from nanoengine.distributed import ENV_VARIABLES, env_rank
-from nanoengine.engine.block_manager import HASH_ALGOS
-from nanoengine.layers.linear import divide
+from nanoengine.distributed import ENV_VARIABLES, divide, env_rank
 from nanoengine.sampling_params import check_number, check_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POLICIES = ("fcfs", "priority")
+HASH_ALGOS = ("xxhash", "sha256")  # the prefix cache's block hash (engine/block_manager.py)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 ROUTINGS = ("prefix", "least-loaded", "round-robin")  # how the server picks an engine core for a request
 DEFAULT_MAX_NUM_SEQS = 256
 # A step's token budget when none is given: vLLM's for its LLM class. On the CPU its smaller steps are also the
-# faster: the cpu preset's 32 prompts (9,200 tokens) prefill in 6.6 s at 4096 against 7.4 s at 8192 on a 2-core
-# Zen 4 EPYC, where oneDNN and our kernel lose 5-15% at 8192 rows.
+# faster (the matmul kernels lose speed at 8192 rows; docs/cpu.md has the figures).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 4096}
 # The generation_config.json fields that become a request's defaults when it passes no SamplingParams (as vLLM).
 GENERATION_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
@@ -268,3 +266,16 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         return cls(**values)
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """The attention backend ``name`` ("auto": cpu on the CPU, triton on CUDA), checked against the device."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.startswith("cuda") else "cpu"
+    if name == "cpu" and device.startswith("cuda"):
+        raise ValueError('attention_backend="cpu" runs on the CPU only; use "triton" or "torch" on CUDA')
+    if name == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError('attention_backend="triton" on the CPU needs TRITON_INTERPRET=1 in the environment')
+    return name

@@ -31,6 +31,12 @@ def tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if tp_size() > 1:
         dist.all_reduce(x)

@@ -56,7 +56,7 @@ class LLM:
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        rendered = [self.llm_engine.render_chat(c, chat_template=chat_template, tools=tools,
+        rendered = [self.llm_engine.processor.render_chat(c, chat_template=chat_template, tools=tools,
                                                 add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message,
                                                 **(chat_template_kwargs or {}))

@@ -92,5 +92,5 @@ class EngineStats:
 
     def plot(self, path: str) -> None:
         """Draw ``step_history`` (running, waiting and KV usage per step) as a PNG; needs matplotlib."""
-        from nanoengine.engine.trace import plot_step_history
+        from nanoengine.utils.plots import plot_step_history
         plot_step_history(self.step_history, path)

@@ -9,6 +9,21 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from nanoengine import LLM
 from nanoengine.utils.default_model import default_model_path
 
+# `make test-fast` (`pytest -m "not slow"`) leaves these out: they start processes (servers, engine cores,
+# tensor-parallel workers, CLIs), load the real model's weights, interpret Triton kernels on the CPU, or search
+# many random schedules.
+SLOW_MODULES = {"test_server", "test_server_hostile", "test_data_parallel", "test_multinode", "test_tensor_parallel",
+                "test_real_model", "test_vllm_parity", "test_vllm_examples", "test_default_model", "test_docs",
+                "test_triton_attention", "test_triton_end_to_end", "test_cpu_memory", "test_prefix_report",
+                "test_invariants"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 VOCAB_SIZE = 49152  # SmolLM2's, so the tiny models can share its tokenizer and take text prompts
 
@@ -113,4 +128,4 @@ def run_hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_i
 def keep_every_draft(engine) -> None:
     """Turn off the step-cost cut of drafts (spec_decode.worth_drafting): on a busy machine its timings could
     cut the drafts a test counts on; what the cut decides is tested in tests/test_spec_decode.py."""
-    engine.step_cost.fit = lambda: None
+    engine.drafter.step_cost.fit = lambda: None

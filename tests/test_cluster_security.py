@@ -253,7 +253,7 @@ def test_a_short_or_unreadable_key_is_refused(sharp_tiny_model, monkeypatch, cap
 # torch.distributed pickles (broadcast_object_list) between the ranks of a group trusted by its network.
 FORBIDDEN = re.compile(r"pickle\.loads?\(|import pickle|recv_pyobj|send_pyobj|torch\.load\((?![^)]*weights_only=True)"
                        r"|broadcast_object_list")
-TENSOR_PARALLEL_STEPS = {("engine/executor.py", 2), ("engine/worker.py", 1)}  # (file, uses of broadcast_object_list)
+TENSOR_PARALLEL_STEPS = {("engine/tp_group.py", 2), ("engine/worker.py", 1)}  # (file, uses of broadcast_object_list)
 
 
 def test_nothing_in_the_package_unpickles_what_a_peer_sends_but_tensor_parallel_steps():

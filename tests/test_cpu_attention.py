@@ -5,8 +5,11 @@ import torch
 from attention_cases import BLOCK_SIZE, make_step
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.attention import cpu_backend, load_backend, resolve_backend, torch_backend
+from nanoengine.attention import torch_backend
+from nanoengine.config import resolve_backend
 from nanoengine.layers.attention import Attention
+from nanoengine.platforms.cpu import attention as cpu_backend
+from nanoengine.platforms.cpu import build, load_backend
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 CASES = {
@@ -36,7 +39,7 @@ def poison_unowned_slots(step) -> None:
 
 @pytest.fixture(scope="module")
 def decode_kernel():
-    kernel = cpu_backend.load_cpu_kernels()
+    kernel = build.load_cpu_kernels()
     assert kernel is not None, "the C++ decode kernel did not build: see the warning logged above"
     return kernel
 
@@ -141,7 +144,7 @@ def test_a_kernel_that_cannot_be_built_leaves_decodes_to_sdpa(monkeypatch, caplo
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    assert cpu_backend.load_cpu_kernels() is None
+    assert build.load_cpu_kernels() is None
     assert "could not be built (no C++ compiler)" in caplog.text
 
 

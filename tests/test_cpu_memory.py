@@ -11,7 +11,7 @@ import pytest
 # elsewhere), then six more times; print the page faults of those last six.
 SCRIPT = """
 import resource, sys, torch
-from nanoengine.utils.cpu_memory import keep_freed_memory
+from nanoengine.platforms.cpu.memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 for _ in range(3):
@@ -47,15 +47,14 @@ def test_a_cpu_engine_runs_a_full_step_at_start_and_writes_no_cache(folder, monk
     others reuse), so that its memory faults into the heap then and not in the first request's step. It writes
     nothing to the cache, and every layer is back in the model afterwards."""
     from nanoengine import LLM
-    from nanoengine.engine.model_runner import ModelRunner
+    from nanoengine.models.llama import DecoderLayer
 
-    sizes = []
-    run_dummy_step = ModelRunner.run_dummy_step
-    monkeypatch.setattr(ModelRunner, "run_dummy_step",
-                        lambda runner, num_tokens, num_layers=None: sizes.append((num_tokens, num_layers))
-                        or run_dummy_step(runner, num_tokens, num_layers))
+    sizes = []  # the rows of each decoder layer's call while the engine starts
+    layer_forward = DecoderLayer.forward
+    monkeypatch.setattr(DecoderLayer, "forward", lambda layer, rotation, hidden, *args: sizes.append(hidden.shape[0])
+                        or layer_forward(layer, rotation, hidden, *args))
     with LLM(folder, max_model_len=128, num_kvcache_blocks=16, max_num_batched_tokens=300) as llm:
         runner = llm.llm_engine.model_executor.runner
-        assert sizes == [(300, 1)]
+        assert sizes == [300]
         assert runner.kv_cache.count_nonzero() == 0
         assert len(runner.model.model.layers) == runner.config.hf_config.num_hidden_layers > 1

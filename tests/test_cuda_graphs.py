@@ -89,7 +89,7 @@ def test_cuda_graphs_match_eager_token_for_token(tiny_qwen3, dtype):
     outputs = {}
     for eager in (True, False):
         with LLM(tiny_qwen3, dtype=dtype, max_model_len=256, max_num_seqs=40, enforce_eager=eager) as llm:
-            graphs = llm.llm_engine.model_executor.runner.decode_graphs
+            graphs = llm.llm_engine.model_executor.runner.fast_path
             assert (graphs is None) == eager
             replays = count_replays(graphs) if graphs else None
             outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

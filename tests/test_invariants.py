@@ -118,7 +118,7 @@ def record_schedules(engine) -> None:
 def draft_from_alone(engine, alone) -> None:
     """The sharp model never repeats itself, so n-gram drafts are almost always rejected: on every other step
     a request drafts its own continuation instead (its output alone), every third draft wrong."""
-    propose = engine.propose_drafts
+    propose = engine.drafter.propose
 
     def proposing(requests):
         propose(requests)
@@ -129,7 +129,7 @@ def draft_from_alone(engine, alone) -> None:
                 drafts = alone(r.prompt_token_ids, r.params)[done:done + min(3, room)]
                 r.spec_token_ids = [t + 1 if (done + i) % 3 == 2 else t for i, t in enumerate(drafts)]
 
-    engine.propose_drafts = proposing
+    engine.drafter.propose = proposing
 
 
 def params_for(arrival: dict) -> SamplingParams:

@@ -7,13 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine.attention import cpu_backend
-from nanoengine.layers import linear as linear_module
-from nanoengine.layers import sampler
 from nanoengine.layers.activation import SiluAndMul
-from nanoengine.layers.linear import can_pack_for_onednn, choose_linear_kernels, linear
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryEmbedding
+from nanoengine.platforms.cpu import build, ops
+from nanoengine.platforms.cpu import linear as linear_module
+from nanoengine.platforms.cpu.linear import can_pack_for_onednn, choose_linear_kernels, linear
 
 needs_onednn = pytest.mark.skipif(not can_pack_for_onednn(torch.empty(1)), reason="this torch build has no oneDNN")
 
@@ -131,14 +130,14 @@ def test_weights_that_onednn_cannot_take_stay_unpacked():
     assert model.first.kernel_choice is None and model.second.kernel_choice is None
 
 
-# The small ops' C++ kernels (layers/cpu_ops.cpp) against the torch modules -----------------------------------
+# The small ops' C++ kernels (platforms/cpu/csrc/cpu_ops.cpp) against the torch modules ---------------------------
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
 def cpu_ops():
-    kernels = cpu_backend.load_cpu_kernels()
+    kernels = build.load_cpu_kernels()
     assert kernels is not None, "the C++ kernels did not build: see the warning logged above"
     return kernels
 
@@ -184,7 +183,8 @@ def test_the_add_rms_norm_kernel_adds_into_the_residual_and_normalizes_the_sum(c
     normed = torch.empty_like(x)
     cpu_ops.rms_norm(expected_sum, norm.weight, norm.eps, normed)  # tested against the module above
     assert torch.equal(out, normed)
-    norm.cpu_ops, stream = cpu_ops, residual.clone()  # the module on the CPU: the kernel, the stream in place
+    ops.use_small_op_kernels(norm, cpu_ops)  # the module on the CPU: the kernel, the stream in place
+    stream = residual.clone()
     module_out, returned = norm(x, stream)
     assert returned is stream and torch.equal(stream, expected_sum) and torch.equal(module_out, out)
 
@@ -222,7 +222,7 @@ def test_the_rotary_kernel_rotates_q_and_k_in_place_and_nothing_else(cpu_ops, dt
                               for x in qkv.split([q_size, kv_size, kv_size], dim=-1)[:2])
     rotated = qkv.clone()
     q, k, v = rotated.split([q_size, kv_size, kv_size], dim=-1)
-    in_place = rotation._replace(cpu_ops=cpu_ops)
+    in_place = ops.KernelRotation(*rotation, cpu_ops)
     for x, expected in ((q.view(tokens, heads, head_dim), expected_q), (k.view(tokens, kv_heads, head_dim),
                                                                          expected_k)):
         assert in_place.apply(x).data_ptr() == x.data_ptr()
@@ -253,7 +253,7 @@ def test_the_argmax_kernel_is_torchs_with_ties_infinities_and_nan(cpu_ops, colum
     tokens = torch.full((8,), -1, dtype=torch.int64)
     cpu_ops.argmax(logits, tokens)
     assert torch.equal(tokens, logits.argmax(dim=-1))
-    assert torch.equal(sampler.argmax(logits, cpu_ops), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax(logits, cpu_ops), logits.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         cpu_ops.argmax(logits.t(), tokens)
 

@@ -5,9 +5,11 @@ import random
 import pytest
 import torch
 from conftest import build_tiny_model, hf_greedy, keep_every_draft
+from transformers import LlamaConfig
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.layers.linear import choose_linear_kernels
+from nanoengine.models.llama import LlamaForCausalLM
+from nanoengine.platforms.cpu.linear import choose_linear_kernels
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -105,34 +107,42 @@ def check_layers_in_one_call(folder: str, hf_model, dtype: str, prompts: list[li
              **options) as llm:  # the CPU's path, on a GPU machine too
         keep_every_draft(llm.llm_engine)
         runner = llm.llm_engine.model_executor.runner
-        assert runner.cpu_ops is not None, "the C++ kernels did not build: see the warning logged above"
-        if dtype not in runner.cpu_ops.linear_dtypes():
+        cpu_ops = runner.platform.kernels
+        assert cpu_ops is not None, "the C++ kernels did not build: see the warning logged above"
+        if dtype not in cpu_ops.linear_dtypes():
             pytest.skip(f"this CPU cannot run cpu_linear.cpp's kernel in {dtype}, so the layers never run in one call")
-        choose_linear_kernels(runner.model, "avx512", runner.cpu_ops)
-        runner.use_layers_in_one_call()
-        decoder, one_call = runner.model.model, runner.model.model.layers_in_one_call
+        choose_linear_kernels(runner.model, "avx512", cpu_ops)
+        runner.fast_path = one_call = runner.capture_fast_path()
         assert one_call is not None and all(one_call.runs_at)
-        forward, kinds = decoder.forward, set()
+        run, kinds = one_call.run, set()
 
         def forward_both_ways(input_ids, positions, meta):
             cache_before = runner.kv_cache.clone()
-            hidden = forward(input_ids, positions, meta)
+            hidden = run(input_ids, positions, meta)
             cache_after, _ = runner.kv_cache.clone(), runner.kv_cache.copy_(cache_before)
-            decoder.layers_in_one_call = None
-            try:
-                assert torch.equal(forward(input_ids, positions, meta), hidden)
-            finally:
-                decoder.layers_in_one_call = one_call
+            assert torch.equal(runner.model(input_ids, positions, meta), hidden)
             assert torch.equal(runner.kv_cache, cache_after)
             starts, drafts = meta.query_start_loc_cpu, meta.num_drafts
             kinds.update("decode" if b - a == 1 + d else "prompt" for a, b, d in zip(starts, starts[1:], drafts))
             kinds.update(["drafts"] * any(drafts))
             return hidden
 
-        decoder.forward = forward_both_ways
+        one_call.run = forward_both_ways
         prompts = prompts or prompts_of_different_lengths()
         if dtype == "float32":
             check_against_transformers(llm, hf_model, prompts)
         else:
             llm.generate(prompts, GREEDY, use_tqdm=False)
         return kinds
+
+
+@pytest.mark.parametrize("feature", [{"sliding_window": 4096}, {"use_sliding_window": True, "sliding_window": 64},
+                                     {"num_local_experts": 8}, {"num_experts": 8}])
+def test_a_config_with_a_feature_the_decoder_lacks_fails_at_load(feature):
+    """Mistral's sliding window (no use_sliding_window flag) and MoE layers would be silently ignored."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, **feature)
+    with pytest.raises(ValueError, match="not supported"):
+        LlamaForCausalLM(config)
+    assert LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1)) is not None

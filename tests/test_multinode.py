@@ -155,7 +155,7 @@ def test_env_launch_as_torchrun_does_it(tiny_dir, expected_tokens, monkeypatch):
     for name, value in (env | {"RANK": "0", "LOCAL_RANK": "0"}).items():
         monkeypatch.setenv(name, value)
     with LLM(tiny_dir, tensor_parallel_size=2, **SMALL_ENGINE) as llm:
-        assert llm.llm_engine.model_executor.health.processes == {}  # rank 0 started no process
+        assert llm.llm_engine.model_executor.workers.health.processes == {}  # rank 0 started no process
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert tokens == expected_tokens
     assert exit_code_within(node, 30) == 0, node.communicate()[0]

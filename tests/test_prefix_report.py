@@ -58,7 +58,7 @@ def engine_cached_tokens(folder: str, bodies: list[dict]) -> list[int]:
             else:
                 prompt = {key: body[key] for key in ("prompt", "prompt_token_ids", "cache_salt") if key in body}
                 if "messages" in body:
-                    prompt["prompt_token_ids"] = llm.llm_engine.render_chat(body["messages"],
+                    prompt["prompt_token_ids"] = llm.llm_engine.processor.render_chat(body["messages"],
                                                                             add_generation_prompt=True)[1]
                 output = llm.generate(prompt, params, use_tqdm=False)[0]
             cached.append(output.num_cached_tokens)
@@ -109,7 +109,7 @@ def test_a_date_before_the_shared_system_prompt_is_where_reuse_breaks(folder, tm
 def test_module_prints_a_table_and_plots_the_hit_rate(folder, tmp_path):
     path = write_lines(tmp_path / "requests.jsonl", MIXED)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "nanoengine.prefix_report", path, "--model", folder, "--plot",
+    done = subprocess.run([sys.executable, "-m", "nanoengine.serve.prefix_report", path, "--model", folder, "--plot",
                            str(tmp_path / "rate.png")], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "prompt tokens cached" in done.stdout and "lies most often in messages[1] (user)" in done.stdout

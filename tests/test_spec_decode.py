@@ -40,7 +40,7 @@ def generate(folder: str, prompts, params, cost: tuple[float, float] | None = No
         if cost is None:
             keep_every_draft(llm.llm_engine)
         else:
-            llm.llm_engine.step_cost.fit = lambda: cost
+            llm.llm_engine.drafter.step_cost.fit = lambda: cost
         runs = record_runs(llm)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return outputs, llm.stats(), runs
@@ -77,7 +77,7 @@ def oracle_drafts(monkeypatch, prompts, outputs) -> None:
                 return [t + 1 if (done + i) % 3 == 2 else t for i, t in enumerate(continuation[done:done + k])]
         return []
 
-    monkeypatch.setattr("nanoengine.engine.llm_engine.propose_ngram", propose)
+    monkeypatch.setattr("nanoengine.engine.spec_decode.propose_ngram", propose)
 
 
 def assert_drafts_hit_and_missed(stats: EngineStats) -> None:
@@ -173,12 +173,12 @@ def test_a_new_request_starts_from_the_engines_recent_acceptance(folder, monkeyp
     oracle_drafts(monkeypatch, PROMPTS, generate(folder, PROMPTS, GREEDY)[0])  # two drafts in three accepted
     with LLM(folder, **ENGINE, speculative_config=SPEC) as llm:
         engine = llm.llm_engine
-        assert engine.acceptance.value == 0.5
+        assert engine.drafter.acceptance.value == 0.5
         keep_every_draft(engine)
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert 0.6 < engine.acceptance.value < 0.75
+        assert 0.6 < engine.drafter.acceptance.value < 0.75
         engine.add_request("new", PATTERN, GREEDY)
-        assert engine.requests["new"].draft_length.acceptance == engine.acceptance.value
+        assert engine.requests["new"].draft_length.acceptance == engine.drafter.acceptance.value
 
 
 def test_step_cost_is_fitted_once_steps_of_different_sizes_ran():
@@ -418,7 +418,7 @@ def spec_and_plain_samples(folder: str, monkeypatch) -> tuple[list[list[int]], l
     (likely tokens, so drafts are accepted and rejected often)."""
     prompt = PROMPTS[2]
     greedy = tokens_of(generate(folder, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0])[0]
-    monkeypatch.setattr("nanoengine.engine.llm_engine.propose_ngram",
+    monkeypatch.setattr("nanoengine.engine.spec_decode.propose_ngram",
                         lambda tokens, low, high, k: greedy[len(tokens) - len(prompt):][:k])
     params = SamplingParams(**CHI_SQUARE_PARAMS)
     spec, stats, _ = generate(folder, [prompt] * SAMPLES, params, speculative_config=SPEC, seed=1)
@@ -484,7 +484,7 @@ def test_stats_trace_and_prometheus_count_drafts(folder, monkeypatch, caplog):
 def test_drafts_stop_where_they_keep_failing(folder, monkeypatch):
     """Drafts that are always wrong: drafting backs off to a few tokens per hundred generated, where a fixed
     length would draft four on every step."""
-    monkeypatch.setattr("nanoengine.engine.llm_engine.propose_ngram", lambda tokens, low, high, k: [0] * k)
+    monkeypatch.setattr("nanoengine.engine.spec_decode.propose_ngram", lambda tokens, low, high, k: [0] * k)
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     _, stats, _ = generate(folder, PROMPTS, params, speculative_config=SPEC)
     assert stats.spec_num_accepted_tokens == 0

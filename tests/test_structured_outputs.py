@@ -256,13 +256,13 @@ def test_speculation_gives_the_same_structured_tokens(smollm2_dir, default_run):
 
 
 def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(llm):
-    manager = llm.llm_engine.structured_output_manager()
+    manager = llm.llm_engine.processor.structured_output_manager()
     tokenizer = llm.get_tokenizer()
-    matcher = manager.new_matcher(Structured(choice=["Paris is big", "Rome"]), llm.llm_engine.eos_token_ids)
+    matcher = manager.new_matcher(Structured(choice=["Paris is big", "Rome"]), llm.llm_engine.processor.eos_token_ids)
     paris = tokenizer.encode("Paris is big")
     drafts = paris[:2] + tokenizer.encode(" London")
     assert grammar_prefix(matcher, drafts) == paris[:2]
-    eos = sorted(llm.llm_engine.eos_token_ids)[0]
+    eos = sorted(llm.llm_engine.processor.eos_token_ids)[0]
     assert grammar_prefix(matcher, paris + [eos]) == paris  # the stop token is left to its own row
     mask = manager.bitmask_for([matcher, None], [paris[:2], [5]])
     assert mask.rows == [0, 1, 2] and mask.bitmask.shape[0] == 5

@@ -53,7 +53,7 @@ def generate_twice(llm: LLM) -> tuple[list[list[int]], list[float]]:
 
 
 def workers_of(llm: LLM) -> list:
-    return list(llm.llm_engine.model_executor.health.processes.values())
+    return list(llm.llm_engine.model_executor.workers.health.processes.values())
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -123,7 +123,7 @@ import sys
 from nanoengine import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kvcache_blocks=8)
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-print(llm.llm_engine.model_executor.health.processes[1].pid, flush=True)
+print(llm.llm_engine.model_executor.workers.health.processes[1].pid, flush=True)
 """
 
 

@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from benchmarks.serve import running_server
 from nanoengine.config import EngineConfig
-from nanoengine.serve.api_server import APIError, OpenAIServer, RequestValidator
+from nanoengine.engine.processor import Processor
+from nanoengine.serve.api_server import APIError, OpenAIServer
 from nanoengine.serve.protocol import ChatCompletionRequest, Tool
 from nanoengine.serve.tools import HermesCalls, RequiredCalls, calls_schema, merged
 
@@ -270,7 +271,7 @@ def test_auto_with_a_template_that_does_not_render_tools_is_a_400(sharp_tiny_mod
     """SmolLM2's template drops tools: under "auto" the model would never see them. A named call needs no
     template: its grammar holds the function's schema."""
     def prompt(folder, tool_choice):
-        front = OpenAIServer(None, RequestValidator(EngineConfig(folder)), ["m"], None, "hermes")
+        front = OpenAIServer(None, Processor(EngineConfig(folder)), ["m"], None, "hermes")
         return front.chat_prompt(ChatCompletionRequest(messages=ASK, tools=[WEATHER], tool_choice=tool_choice))
 
     with pytest.raises(APIError, match="does not render tools") as refused:

@@ -14,21 +14,18 @@ from itertools import accumulate
 
 import torch
 
-from nanoengine.attention import load_backend
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.config import EngineConfig
-from nanoengine.distributed import min_over_ranks, rank_device, tp_size
+from nanoengine.distributed import min_over_ranks, rank_device
 from nanoengine.engine.cuda_graphs import capture_decode_graphs
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.engine.spec_decode import accepted_run
 from nanoengine.engine.structured_output import GrammarBitmask, apply_bitmask
 from nanoengine.layers.attention import Attention
-from nanoengine.layers.linear import choose_linear_kernels
 from nanoengine.layers.sampler import SamplingTensors, apply_logit_bias, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
-from nanoengine.models.llama import LayersInOneCall
-from nanoengine.utils.cpu_memory import keep_freed_memory
+from nanoengine.platforms import platform_for
 from nanoengine.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -91,20 +88,21 @@ class ModelRunner:
         self.config = config
         self.device = rank_device(config.device, rank, config.tensor_parallel_size, config.ranks_per_node)
         self.block_size = config.kvcache_block_size
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        self.backend = load_backend(config.attention_backend)
-        # The cpu backend's extension also holds the layers' C++ ops (and a linear kernel for few rows).
-        self.cpu_ops = getattr(self.backend, "kernels", None)
+        # What the device adds to the plain model: on the CPU, its C++ kernels (platforms/cpu/).
+        self.platform = platform_for(self.device, config.attention_backend)
+        self.backend = self.platform.attention_backend(config.attention_backend)
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        if self.device.type == "cpu" and self.cpu_ops is not None:
-            # A full-budget step (one layer, then the logits) faults its memory into the kept heap now, not in the
-            # first large step.
-            self.run_dummy_step(config.max_num_batched_tokens, num_layers=1)
-            self.use_layers_in_one_call()
-        self.decode_graphs = capture_decode_graphs(self.model, config, self.device)
+        self.platform.warm_up(self)
+        self.fast_path = self.capture_fast_path()
+
+    def capture_fast_path(self):
+        """What runs the steps it can faster than the model's forward (``can_run(meta)``, ``run(...)``): CUDA
+        graphs for decode steps on a GPU, the decoder layers in one C++ call on the CPU; or None."""
+        if self.device.type == "cuda":
+            return capture_decode_graphs(self.model, self.config, self.device)
+        return self.platform.fast_path(self.model)
 
     def build_model(self) -> torch.nn.Module:
         hf_config = self.config.hf_config
@@ -116,15 +114,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(model, self.config.model)
-        choose_linear_kernels(model, cpu_ops=self.cpu_ops)  # on the CPU only
+        self.platform.prepare_model(model)
         return model.eval()
-
-    def use_layers_in_one_call(self) -> None:
-        """On one rank, the steps whose linear layers all take cpu_linear.cpp's kernel run the decoder layers in
-        one C++ call (models/llama.py's LayersInOneCall)."""
-        decoder = self.model.model
-        one_call = LayersInOneCall(decoder.layers, self.cpu_ops)
-        decoder.layers_in_one_call = one_call if any(one_call.runs_at) and tp_size() == 1 else None
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -141,18 +132,14 @@ class ModelRunner:
                              "raise gpu_memory_utilization, or set num_kvcache_blocks")
         shape = (2, len(layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
         # zeros(), not empty(), on the CPU too (as vLLM does): every page of the cache is faulted in now, at
-        # start, not on its first write in the middle of a step (up to 10 us a page on a VM: up to a tenth of
-        # the cpu preset's time went there), and a cache larger than the free memory shows at start.
+        # start, not on its first write in the middle of a step (a page fault costs microseconds on a VM), and a
+        # cache larger than the free memory shows at start.
         start = time.perf_counter()
         self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
         logger.info("KV cache: %d blocks, %.2f GiB%s", num_blocks, self.kv_cache.nbytes / 2**30,
                     f", zeroed in {time.perf_counter() - start:.2f} s" if self.device.type == "cpu" else "")
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], self.backend
-        if self.cpu_ops is not None:
-            for module in self.model.modules():
-                if hasattr(module, "cpu_ops"):
-                    module.cpu_ops = self.cpu_ops
         return num_blocks
 
     def blocks_that_fit(self, bytes_per_block: int) -> int:
@@ -172,17 +159,23 @@ class ModelRunner:
         return int(budget - torch.cuda.max_memory_allocated(self.device))
 
     @torch.inference_mode()
-    def run_dummy_step(self, num_tokens: int, num_layers: int | None = None) -> None:
-        """One forward pass over ``num_tokens`` tokens of fresh sequences, with writes to the cache discarded
-        (their block tables point at block 0, read and never written), through the first ``num_layers``
-        decoder layers (all by default), then the logits of ``max_num_seqs`` rows (a token each). Each layer
-        frees its temporaries before the next one runs, so one layer comes close to a step's peak."""
+    def run_dummy_step(self, num_tokens: int, forward=None) -> None:
+        """One forward pass over ``num_tokens`` tokens of fresh sequences (through ``forward``, the model's by
+        default), then the logits of ``max_num_seqs`` rows (a token each), with writes to the cache discarded:
+        its peak memory is a step's."""
+        input_ids, positions, meta = self.dummy_inputs(num_tokens)
+        hidden = (forward or self.model)(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)])
+        if logits is not None:  # on rank 0
+            logits.float()  # as sample_step takes them
+
+    def dummy_inputs(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``num_tokens`` tokens of fresh sequences whose block tables point at block 0, read and never written
+        (every slot is -1); without a cache yet, each layer gets one block of zeros."""
         seq_len = min(num_tokens, self.config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
+        starts = [0, *accumulate(lens)]
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
@@ -191,27 +184,18 @@ class ModelRunner:
                                      device=self.device),
             max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=lens)
         for layer in self.attention_layers():
-            if not layer.k_cache.numel():  # no cache yet: every block table points at one block of zeros
+            if not layer.k_cache.numel():
                 layer.k_cache = layer.v_cache = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim,
                                                             dtype=self.config.torch_dtype, device=self.device)
                 layer.backend = self.backend
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        decoder = self.model.model
-        all_layers, one_call = decoder.layers, decoder.layers_in_one_call
-        decoder.layers, decoder.layers_in_one_call = all_layers[:num_layers], None
-        try:
-            hidden = self.model(input_ids, torch.zeros_like(input_ids), meta)
-        finally:
-            decoder.layers, decoder.layers_in_one_call = all_layers, one_call
-        logits = self.model.compute_logits(hidden[:min(num_tokens, self.config.max_num_seqs)])
-        if logits is not None:  # on rank 0
-            logits.float()  # as sample_step takes them
+        return input_ids, torch.zeros_like(input_ids), meta
 
     def close(self) -> None:
         for layer in self.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
-        self.decode_graphs = self.model.model.layers_in_one_call = None
+        self.fast_path = None
 
     # One step ------------------------------------------------------------------------------------
 
@@ -231,8 +215,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the rows that sample, then of the prompt rows; None on tensor-parallel workers."""
         input_ids, positions, meta, logit_rows = self.prepare_inputs(inputs)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(meta):
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        if self.fast_path is not None and self.fast_path.can_run(meta):
+            hidden = self.fast_path.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[logit_rows])
@@ -297,7 +281,7 @@ class ModelRunner:
             if processed is logits and any(p.logprobs is not None for p in params):
                 processed = processed.clone()  # logprobs stay the raw model's
             apply_bitmask(processed, grammar_bitmask)
-        tokens = sample(processed, tensors, self.generator, self.cpu_ops)
+        tokens = sample(processed, tensors, self.generator, self.platform.argmax)
         sampled, starts = tokens.tolist(), list(accumulate((1 + len(d) for d in drafts), initial=0))
         runs = [accepted_run(d, sampled[start:start + len(d) + 1]) for d, start in zip(drafts, starts)]
         result = StepResult(requests, runs, [len(d) for d in drafts])

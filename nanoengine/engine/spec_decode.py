@@ -33,6 +33,9 @@ from collections import deque
 
 import numpy as np
 
+from nanoengine.config import EngineConfig
+from nanoengine.engine.structured_output import grammar_prefix
+
 MAX_WAIT = 64  # decode steps a request at draft length 0 waits, at most, before probing again
 COST_WINDOW = 64  # decode steps the step-cost fit looks back over
 MIN_COST_SAMPLES = 8
@@ -161,3 +164,67 @@ def worth_drafting(acceptances: list[float], num_drafts: list[int], num_rows: in
         kept[i] += 1
         tokens, seconds = tokens + p, seconds + b
     return kept
+
+
+class Drafter:
+    """The engine's drafting policy: proposes each decoding request's drafts after a step, keeps those that
+    pay, and learns from each verification."""
+
+    def __init__(self, config: EngineConfig, block_manager):
+        self.config, self.spec, self.block_manager = config, config.speculative, block_manager
+        self.counts = [0, 0, 0]  # (drafted requests, draft tokens, accepted tokens)
+        self.step_cost = StepCost()  # what a decode step costs per row
+        self.acceptance = AcceptanceRate(decay=0.99)  # over every request's verified drafts: a new one's prior
+
+    def add_request(self, request) -> None:
+        if self.spec is not None:
+            request.draft_length = DraftLength(self.spec.num_speculative_tokens, prior=self.acceptance.value)
+
+    def record_step_cost(self, scheduled, seconds: float) -> None:
+        """Time the steps that only decode (with or without drafts), for ``worth_drafting``."""
+        if self.spec is not None and all(n == 1 + len(d) for n, d in zip(scheduled.num_new_tokens, scheduled.drafts)):
+            self.step_cost.add(sum(scheduled.num_new_tokens), seconds)
+
+    def record_verifications(self, result) -> None:
+        """Count each request's verified drafts, adapt its draft length, and give back the blocks of rejected
+        drafts (``result``: the step's StepResult)."""
+        for request, run, num_drafts in zip(result.requests, result.token_ids, result.num_drafts):
+            if num_drafts:
+                num_accepted = len(run) - 1
+                for i, count in enumerate((1, num_drafts, num_accepted)):
+                    self.counts[i] += count
+                request.draft_length.update(num_drafts, num_accepted)
+                self.acceptance.update(num_drafts, num_accepted)
+                if not request.is_finished:
+                    size = self.block_manager.block_size
+                    self.block_manager.free(request, num_kept_blocks=-(-request.num_computed_tokens // size))
+
+    def propose(self, requests: list) -> None:
+        """Draft the next tokens of each request that just sampled."""
+        spec = self.spec
+        for request in requests:
+            request.spec_token_ids = []
+            if spec is None or request.is_finished:
+                continue
+            structured = request.matcher is not None
+            if structured and request.num_output_tokens < request.params.min_tokens:
+                continue  # its rows' stop-token bans would need the matcher's state after each draft
+            # What the request may still emit, less the token sampled after the drafts.
+            room = min(request.max_tokens - request.num_output_tokens,
+                       self.config.max_model_len - request.num_tokens) - 1
+            num_drafts = min(room, request.draft_length.allowed())
+            if num_drafts > 0:
+                drafts = propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                       num_drafts)
+                request.spec_token_ids = grammar_prefix(request.matcher, drafts) if structured else drafts
+        if spec is not None:
+            self.keep_drafts_that_pay([r for r in requests if not r.is_finished])
+
+    def keep_drafts_that_pay(self, decoding: list) -> None:
+        drafted = [r for r in decoding if r.spec_token_ids]
+        if not drafted:
+            return  # nothing to cut: skip the fit, which runs every step
+        kept = worth_drafting([r.draft_length.acceptance for r in drafted], [len(r.spec_token_ids) for r in drafted],
+                              len(decoding), self.step_cost.fit())
+        for request, num_kept in zip(drafted, kept):
+            request.spec_token_ids = request.spec_token_ids[:num_kept]

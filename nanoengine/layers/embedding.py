@@ -4,8 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine.distributed import all_reduce, gather_on_rank0, tp_rank, tp_size
-from nanoengine.layers.linear import KernelChoice, divide, linear
+from nanoengine.distributed import all_reduce, divide, gather_on_rank0, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,9 +30,5 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rows that need sampling; rank 0 gets the full vocabulary, others None."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__(vocab_size, hidden_size)
-        self.kernel_choice: KernelChoice | None = None  # see choose_linear_kernels
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_on_rank0(linear(hidden, self.weight, choice=self.kernel_choice), dim=-1)
+        return gather_on_rank0(F.linear(hidden, self.weight), dim=-1)

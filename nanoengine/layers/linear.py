@@ -6,208 +6,11 @@ partial results with an all-reduce. Each parameter carries a ``weight_loader``
 that cuts its own shard out of a full checkpoint tensor.
 """
 
-import hashlib
-import json
-import logging
-import os
-import time
-from bisect import bisect_left
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoengine.distributed import all_reduce, tp_rank, tp_size
-from nanoengine.utils.cpu_info import cpu_model
-from nanoengine.utils.default_model import cache_dir
-
-logger = logging.getLogger(__name__)
-
-# On the CPU, torch's F.linear calls MKL, which on AMD processors runs its AVX2 code; oneDNN picks its kernels
-# by instruction set and runs AVX-512 there. On an Intel CPU both run AVX-512, and at one row MKL can be the
-# faster. And a CPU without AMX may multiply bfloat16 more slowly than float32 (one Xeon here: 150 against 250
-# GFLOP/s): for many rows, widening the weight to float32 into a scratch buffer and multiplying in float32 is
-# then the faster, and exact (a product of two bfloat16 or float16 values is exact in float32, which is also
-# what the narrow kernels accumulate in). So the kernel is chosen by measurement: for each weight shape and
-# row-count bucket, the fastest. oneDNN wants the weight in its own blocked layout, made once. torch exposes
-# this pair of ops only privately (its compiler uses them), so both calls are kept to this file. At a decode's
-# few rows a layer's time is reading its weight, which oneDNN does at about half the memory's speed: our own
-# AVX-512 kernel (cpu_linear.cpp, float32 and bfloat16, in a layout of its own) is the fourth candidate.
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-WIDENED_DTYPES = (torch.bfloat16, torch.float16)
-ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
-ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows takes the kernel timed at these rows
-# F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
-KERNELS = ("torch", "onednn", "float32", "avx512")
-CHOICES = ("auto", *KERNELS)
-KERNEL_CODE = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_simd.h")]  # our kernel's
-
-
-@dataclass
-class KernelChoice:
-    """Per row bucket, the kernel ``linear`` multiplies by one weight with, and what those kernels need."""
-
-    used_at: tuple[str, ...]
-    packed: torch.Tensor | None = None  # the weight in oneDNN's layout, where a bucket uses "onednn"
-    scratch: torch.Tensor | None = None  # float32, at least the weight's size (shared by the model's layers)
-    steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "avx512"
-    cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           choice: KernelChoice | None = None) -> torch.Tensor:
-    if choice is None:
-        return F.linear(x, weight, bias)
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    kernel = kernel_at(choice, bucket_of(rows.shape[0]))
-    if kernel == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
-    if kernel == "avx512":
-        out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-        choice.cpu_ops.linear(rows.contiguous(), choice.steps, bias, out)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    if kernel == "float32":
-        wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
-        return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
-    return F.linear(x, weight, bias)
-
-
-def bucket_of(num_rows: int) -> int:
-    """The index of the row bucket whose kernel multiplies ``num_rows`` rows."""
-    return bisect_left(ROW_BUCKETS, num_rows, hi=len(ROW_BUCKETS) - 1)
-
-
-def kernel_at(choice: KernelChoice | None, bucket: int) -> str:
-    return "torch" if choice is None else choice.used_at[bucket]
-
-
-def can_pack_for_onednn(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of ``weight`` in oneDNN's layout, for ``linear`` at every row count."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
-
-
-def pack_steps(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's 64-byte loads in the order it
-    reads them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32."""
-    step = inputs_per_step(weight.dtype)
-    out_features, in_features = weight.shape
-    return weight.detach().view(out_features // 16, 16, in_features // step, step).transpose(1, 2).contiguous()
-
-
-def inputs_per_step(dtype: torch.dtype) -> int:
-    return 2 if dtype == torch.bfloat16 else 1
-
-
-def can_pack_steps(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:
-    return (cpu_ops is not None and str(weight.dtype).removeprefix("torch.") in cpu_ops.linear_dtypes()
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % inputs_per_step(weight.dtype) == 0)
-
-
-def kernels_for(weight: torch.Tensor, cpu_ops: ModuleType | None = None) -> tuple[str, ...]:
-    """The kernels that can multiply by this weight (on the CPU; ``cpu_ops``: the C++ extension, if built)."""
-    if weight.device.type != "cpu":
-        return ("torch",)
-    return (("torch",) + ("onednn",) * can_pack_for_onednn(weight) + ("float32",) * (weight.dtype in WIDENED_DTYPES)
-            + ("avx512",) * can_pack_steps(weight, cpu_ops))
-
-
-def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: ModuleType | None = None) -> None:
-    """Give every linear layer (and the LM head) the fastest kernel for its shape at each row bucket: measured
-    once per machine and cached (``kernel="auto"``), or forced (where the weight allows it, else F.linear).
-    ``cpu_ops``: the C++ extension (attention/cpu_backend.py), for cpu_linear.cpp's kernel."""
-    if kernel not in CHOICES:
-        raise ValueError(f"kernel must be one of {CHOICES}, got {kernel!r}")
-    layers = [m for m in model.modules() if hasattr(m, "kernel_choice") and len(kernels_for(m.weight, cpu_ops)) > 1]
-    if kernel != "auto":
-        choices = {shape_key(m.weight): (kernel if kernel in kernels_for(m.weight, cpu_ops) else "torch",)
-                   * len(ROW_BUCKETS) for m in layers}
-    else:
-        choices = measured_choices({shape_key(m.weight): m.weight for m in layers}, cpu_ops)
-    widened = [m.weight.numel() for m in layers if "float32" in choices[shape_key(m.weight)]]
-    scratch = torch.empty(max(widened), dtype=torch.float32) if widened else None
-    for module in layers:
-        used_at = choices[shape_key(module.weight)]
-        module.kernel_choice = None if set(used_at) == {"torch"} else KernelChoice(
-            used_at, pack_for_onednn(module.weight) if "onednn" in used_at else None, scratch,
-            pack_steps(module.weight) if "avx512" in used_at else None, cpu_ops)
-
-
-def shape_key(weight: torch.Tensor) -> str:
-    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
-
-
-def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | None) -> dict[str, tuple[str, ...]]:
-    """Per shape, the fastest kernel at each row bucket; shapes this machine has not timed yet are timed now
-    (the log says how long it took) and added to the cache file. Delete the file to time again (figures
-    taken while other work loads the machine can pick the wrong kernel)."""
-    path = cache_dir() / "linear-kernels.json"
-    cache = json.loads(path.read_text()) if path.is_file() else {}
-    known = cache.setdefault(machine_key(), {})
-    start = time.perf_counter()
-    # An entry of another shape (an older version's, with other buckets or kernels) is timed again.
-    missing = {key: weight for key, weight in weights.items()
-               if not (isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS)
-                       and set(known[key]) <= set(kernels_for(weight, cpu_ops)))}
-    known.update({key: fastest_at(weight, cpu_ops) for key, weight in missing.items()})
-    if missing:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_suffix(f".tmp-{os.getpid()}")
-        temp.write_text(json.dumps(cache, indent=1))
-        temp.replace(path)
-    names = ", ".join(f"{key}: " + "/".join(known[key]) for key in weights)
-    how = f"measured in {time.perf_counter() - start:.2f} s" if missing else f"from {path}"
-    logger.info("linear kernels at rows %s (%s): %s", "/".join(f"<={r}" for r in ROW_BUCKETS[:-1]) + "/more",
-                how, names)
-    return {key: tuple(known[key]) for key in weights}
-
-
-def machine_key() -> str:
-    """What the cached choices hold for: the CPU, torch, its threads, the kernels there were to choose from and
-    our kernel's code (a changed kernel is timed again)."""
-    code = hashlib.sha1(b"".join(path.read_bytes() for path in KERNEL_CODE)).hexdigest()[:12]
-    return (f"{cpu_model()}; torch {torch.__version__}; {torch.get_num_threads()} threads; {'/'.join(KERNELS)}; "
-            f"cpu_linear.cpp {code}")
-
-
-def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, rounds: int = 5) -> list[str]:
-    """The fastest kernel for this weight at each bucket's row count: each kernel's best of ``rounds`` calls,
-    the kernels taking turns, so that a burst of other work on the machine weighs on all of them alike (timed
-    one after another, a burst once made MKL's AVX2 kernel win a shape where oneDNN is twice as fast)."""
-    candidates = {kernel: only_kernel(weight, kernel, cpu_ops) for kernel in kernels_for(weight, cpu_ops)}
-    fastest = []
-    for rows in ROW_BUCKETS:
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        best = dict.fromkeys(candidates, float("inf"))
-        for round_number in range(rounds + 1):
-            for kernel, choice in candidates.items():
-                start = time.perf_counter()
-                linear(x, weight, choice=choice)
-                if round_number > 0:  # the first round warms up
-                    best[kernel] = min(best[kernel], time.perf_counter() - start)
-        fastest.append(min(best, key=best.get))
-    return fastest
-
-
-def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = None) -> KernelChoice:
-    """``kernel`` for this weight at every row count, with what it needs."""
-    return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
-                        torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None,
-                        pack_steps(weight) if kernel == "avx512" else None, cpu_ops)
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
-    return numerator // denominator
+from nanoengine.distributed import all_reduce, divide, tp_rank, tp_size
 
 
 class LinearBase(nn.Module):
@@ -219,13 +22,12 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.kernel_choice: KernelChoice | None = None  # see choose_linear_kernels
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernel_choice)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -279,4 +81,4 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.bias if self.adds_bias else None, self.kernel_choice))
+        return all_reduce(F.linear(x, self.weight, self.bias if self.adds_bias else None))

@@ -1,7 +1,6 @@
 """Rotary position embedding (the rotate-half layout Hugging Face checkpoints use)."""
 
 import math
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -36,8 +35,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    cpu_ops = None  # the C++ kernels (layers/cpu_ops.cpp), set by the model runner on the CPU
-
     def __init__(self, head_dim: int, max_position: int, rope: dict):
         super().__init__()
         positions = torch.arange(max_position, dtype=torch.float)
@@ -49,18 +46,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
         """The cos and sin of every token's angles ([num_tokens, 1, head_dim]), looked up once per step and
         shared by every layer."""
-        return Rotation(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype),
-                        self.cpu_ops)
+        return Rotation(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
 
 class Rotation(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
-    cpu_ops: ModuleType | None = None
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, heads, head_dim]; the C++ kernel rotates it in place."""
-        if self.cpu_ops is not None:
-            self.cpu_ops.rotary(x, self.cos, self.sin)
-            return x
+        """x: [num_tokens, heads, head_dim]."""
         return x * self.cos + rotate_half(x) * self.sin

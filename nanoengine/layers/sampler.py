@@ -16,12 +16,12 @@ top-k, top-p.
 
 Sampling inverts each row's cumulative distribution at one uniform draw, which picks token i with
 probability ``probs[i]``: one draw a row, where the exponential race (``argmax(probs / noise)``) takes
-one a token, 49k a row, which on a CPU cost 6.3 ms of a 32-request step against 0.8 ms. A seeded request
+one a token, 49k a row, several times the cost on a CPU (docs/cpu.md). A seeded request
 draws its uniform from its own generator, so its tokens do not depend on the rest of the batch.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -40,10 +40,10 @@ class SamplingTensors:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator,
-           cpu_ops: ModuleType | None = None) -> torch.Tensor:
-    """logits: [rows, vocab] float32, penalties already applied. Returns [rows] int64 token ids. ``cpu_ops``: the
-    C++ kernels (layers/cpu_ops.cpp), on the CPU where they are built."""
-    greedy = argmax(logits, cpu_ops)
+           argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)) -> torch.Tensor:
+    """logits: [rows, vocab] float32, penalties already applied. Returns [rows] int64 token ids. ``argmax``:
+    each row's first largest logit (a platform may bring a faster kernel)."""
+    greedy = argmax(logits)
     if t.all_greedy:
         return greedy
     temperatures = torch.where(t.temperatures > 0, t.temperatures, 1.0)
@@ -54,16 +54,6 @@ def sample(logits: torch.Tensor, t: SamplingTensors, generator: torch.Generator,
             uniform[row] = torch.rand(1, generator=row_generator).item()
     sampled = invert_cdf(probs, uniform)
     return torch.where(t.temperatures > 0, sampled, greedy)
-
-
-def argmax(logits: torch.Tensor, cpu_ops: ModuleType | None) -> torch.Tensor:
-    """Each row's first largest logit, as torch.argmax: on the CPU by the C++ kernel, 12x faster (torch's
-    argmax takes 17 times as long as its max there: 0.66 ms of a 32-request step)."""
-    if cpu_ops is None:
-        return logits.argmax(dim=-1)
-    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
-    cpu_ops.argmax(logits.contiguous(), tokens)
-    return tokens
 
 
 def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -104,7 +94,7 @@ def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 
 def top_k_top_p_from_top_part(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor | None:
     """The same result from each row's largest logits only (``topk``), or None where that cannot be sure of
-    it. Sorting a row of a 49k vocabulary takes about 2 ms on a CPU core, 35 times as long as ``topk`` of 50.
+    it. Sorting a row of a 49k vocabulary takes many times as long as ``topk`` of 50 on a CPU core.
     The part holds every row's k largest (a row whose ties at its k-th run past it needs more) and, for a
     row with top-p and no top-k, the TOP_P_PART largest, which must hold top_p of the mass: every token below
     them is then dropped, and the mass under the part counts in the cumulative sums above it."""

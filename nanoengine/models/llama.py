@@ -5,8 +5,6 @@ matmul each; ``packed_modules`` tells the loader which checkpoint tensor goes
 into which shard of which merged parameter.
 """
 
-from types import ModuleType
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -16,14 +14,7 @@ from nanoengine.distributed import tp_size
 from nanoengine.layers.activation import SiluAndMul
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoengine.layers.linear import (
-    ROW_BUCKETS,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    bucket_of,
-    kernel_at,
-)
+from nanoengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoengine.layers.norm import RMSNorm
 from nanoengine.layers.rotary import RotaryEmbedding, Rotation
 
@@ -102,49 +93,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LayersInOneCall:
-    """The decoder layers as one C++ call (layers/cpu_decoder.cpp) for a step whose linear layers all take
-    cpu_linear.cpp's kernel at its row count: DecoderLayer.forward's kernels in the same order, so the same bits,
-    without Python between the ops (about 3 ms of a 30 ms decode step of 32 requests on a 2-core Zen 5). It has no
-    all-reduce: one rank only."""
-
-    def __init__(self, layers: nn.ModuleList, cpu_ops: ModuleType):
-        """``layers``' weights and KV caches as they are now: a new cache or kernel choice needs a new one."""
-        self.cpu_ops, self.attention = cpu_ops, layers[0].self_attn
-        self.eps = layers[0].input_layernorm.eps
-        self.weights = [weight for layer in layers for weight in layer_weights(layer)]
-        self.caches = [cache for layer in layers for cache in (layer.self_attn.attn.k_cache,
-                                                               layer.self_attn.attn.v_cache)]
-        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.runs_at = [all(kernel_at(m.kernel_choice, bucket) == "avx512" for m in linears)
-                        for bucket in range(len(ROW_BUCKETS))]
-
-    def can_run(self, num_rows: int) -> bool:
-        return self.runs_at[bucket_of(num_rows)]
-
-    def __call__(self, rotation: Rotation, hidden: torch.Tensor, meta: AttentionMetadata
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's output and the residual stream, as the layers' own forward leaves them."""
-        attention, backend = self.attention, self.attention.attn.backend
-        decodes, prompts = backend.decode_plan(meta), backend.prefill_plan(meta)
-        hidden, residual = self.cpu_ops.decoder_layers(
-            hidden, self.weights, self.caches, rotation.cos, rotation.sin, meta.slot_mapping,
-            () if decodes is None else decodes.kernel_args(), () if prompts is None else prompts.kernel_args(),
-            attention.num_heads, attention.num_kv_heads, attention.attn.scale, self.eps)
-        return hidden, residual
-
-
-def layer_weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
-    """A layer's weights in cpu_decoder.cpp's order (the linear layers' packed for cpu_linear.cpp)."""
-    attention, mlp = layer.self_attn, layer.mlp
-    q_norm, k_norm = (None if norm is None else norm.weight for norm in (attention.q_norm, attention.k_norm))
-    qkv, o, gate_up, down = (getattr(m.kernel_choice, "steps", None) for m in (
-        attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    return [layer.input_layernorm.weight, qkv, attention.qkv_proj.bias, q_norm, k_norm, o, attention.o_proj.bias,
-            layer.post_attention_layernorm.weight, gate_up, down]
-
-
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
         super().__init__()
@@ -154,16 +102,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers_in_one_call: LayersInOneCall | None = None  # set by the model runner where it can run
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rotation = self.rotary_emb(positions, hidden.dtype)
-        if self.layers_in_one_call is not None and self.layers_in_one_call.can_run(hidden.shape[0]):
-            hidden, residual = self.layers_in_one_call(rotation, hidden, meta)
-        else:
-            for layer in self.layers:
-                hidden, residual = layer(rotation, hidden, residual, meta)
+        for layer in self.layers:
+            hidden, residual = layer(rotation, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
 
 
@@ -180,8 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported")
+        # Features this decoder lacks fail here, at load, rather than change the model's output (docs/models.md).
+        if getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None):
+            raise ValueError("use_sliding_window=True is not supported (every layer attends to its whole context)")
+        if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+            raise ValueError("mixture-of-experts layers are not supported")
         qkv_bias = self.qkv_bias if self.qkv_bias is not None else getattr(config, "attention_bias", False)
         self.model = DecoderModel(config, qkv_bias, self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

@@ -26,8 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
-from nanoengine.config import EngineConfig
-from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.processor import Processor
 from nanoengine.engine.request import ParentRequest
 from nanoengine.engine.request import Request as EngineRequest
 from nanoengine.sampling_params import SamplingParams, field_error
@@ -70,13 +69,6 @@ def overloaded(why: str, retry_after: int) -> APIError:
     return error
 
 
-class RequestValidator(LLMEngine):
-    """LLMEngine's request checks (``make_request``) with a tokenizer and the config but no model."""
-
-    def __init__(self, config: EngineConfig):
-        self.init_request_checks(config)
-
-
 @dataclass
 class Prepared:
     """A request validated and tokenized: one engine request per prompt (a chat has one)."""
@@ -87,7 +79,7 @@ class Prepared:
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineCoreClient, validator: RequestValidator, model_names: list[str],
+    def __init__(self, client: EngineCoreClient, validator: Processor, model_names: list[str],
                  metrics: Metrics, tool_call_parser: str | None = None, admission: Admission | None = None):
         self.client, self.validator, self.model_names, self.metrics = client, validator, model_names, metrics
         self.tool_call_parser = tool_call_parser  # for tool_choice "auto" (None: refused)

@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from nanoengine import prefix_report
 from nanoengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from nanoengine.distributed import env_rank, ip_addresses
+from nanoengine.engine.processor import Processor
 from nanoengine.engine.worker import run_node
+from nanoengine.serve import prefix_report
 from nanoengine.serve.admission import Admission, AdmissionLimits
-from nanoengine.serve.api_server import OpenAIServer, RequestValidator, create_app
+from nanoengine.serve.api_server import OpenAIServer, create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
 from nanoengine.serve.engine_core import run_headless_core
 from nanoengine.serve.limits import connection_limit, filter_repeats, raise_open_file_limit
@@ -112,8 +113,8 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def with_server_defaults(options: dict) -> dict:
     """vLLM's defaults for its API server on the CPU, where they differ from an offline LLM's: a step of at most
-    2,048 tokens (8,192 offline) and 128 requests, so that a burst's first prompts get their first tokens
-    before the last ones are in (at 16 requests a second, float32: mean TTFT 7.3 -> 4.7 s on a 2-core EPYC)."""
+    2,048 tokens (4,096 offline) and 128 requests, so that a burst's first prompts get their first tokens
+    before the last ones are in (a lower mean TTFT under a burst: docs/performance.md)."""
     device = options.get("device", "auto")
     if device != "cpu" and (device != "auto" or torch.cuda.is_available()):
         return options
@@ -184,7 +185,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig, cluster_key
     client.on_dropped_frame = metrics.dropped_frames.labels(name).inc
     client.on_core_up = metrics.record_engine_up
     try:
-        validator = RequestValidator(config)
+        validator = Processor(config)
         validator.config.max_model_len = await client.start()
         server = OpenAIServer(client, validator, [name, config.model], metrics,
                               args.tool_call_parser if args.enable_auto_tool_choice else None,

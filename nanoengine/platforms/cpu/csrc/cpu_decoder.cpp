@@ -1,8 +1,7 @@
 // The decoder layers of one step in one call: op for op what models/llama.py's DecoderLayer.forward does on the
 // CPU, through the same kernels in the same order (so the result is the same to the bit), without going back
-// to Python between the ops, where Python spends a few microseconds an op: about 3 ms of a 30 ms decode step of
-// 32 requests (SmolLM2's 30 layers on a 2-core Zen 5). Every linear layer takes cpu_linear.cpp's kernel;
-// models/llama.py's LayersInOneCall says when that holds.
+// to Python between the ops, where Python spends a few microseconds an op (docs/cpu.md). Every linear layer
+// takes cpu_linear.cpp's kernel; platforms/cpu/one_call.py's LayersInOneCall says when that holds.
 #include <torch/extension.h>
 
 #include <vector>

@@ -7,7 +7,7 @@
 // block (elsewhere in memory) is prefetched. Softmax is online, as in the Triton kernel: a running max ``m``
 // and sum ``l`` per query head, the accumulator rescaled whenever the max grows. Everything is summed in
 // float32, whatever the cache's dtype (in bfloat16 with AVX512-BF16, P is rounded to bfloat16 before it
-// multiplies V). Built on first use by nanoengine/attention/cpu_backend.py.
+// multiplies V). Built on first use by nanoengine/platforms/cpu/build.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -20,8 +20,8 @@
 #include <utility>
 #include <vector>
 
-#include "../layers/cpu_kernels.h"
-#include "../layers/cpu_simd.h"
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 // The query heads of one KV head (``group`` rows of ``q``) over one request's context, in plain loops.
 // HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop

@@ -1,73 +1,41 @@
-"""Paged attention tuned for the CPU: the contract of ``torch_backend``, faster.
+"""Paged attention tuned for the CPU: the contract of ``attention/torch_backend.py``, faster.
 
-- Decodes (one query row per request) go to a small C++ kernel, ``cpu_decode.cpp``, that reads each K and
+- Decodes (one query row per request) go to a small C++ kernel, ``csrc/cpu_decode.cpp``, that reads each K and
   V byte of the paged cache once, in float32 arithmetic whatever the cache's dtype. So do decodes with
   speculative drafts (up to 8 query rows): each row is a decode of its own, over the context up to its
-  position, computed as the decode without drafts would compute it. It is compiled for this machine on
-  first use (about 30 s, then cached), together with the layers' small ops (``layers/cpu_ops.cpp``).
-- Other requests (prompts and prompt chunks) go to the same extension's ``prefill_attention``
-  (``cpu_prefill.cpp``): flash attention over the paged cache, the query heads of each KV head stacked as the
-  rows of one small GEMM, scores and softmax in float32. In bfloat16 on a CPU with AVX512-BF16 it multiplies in
-  bfloat16 pairs, about 5x faster than SDPA's flash kernel for a 512-token prompt on a 2-core Zen 5 (SDPA
-  multiplies bfloat16 at a tenth of what a bfloat16 GEMM reaches there).
-- Without a C++ compiler every request takes one SDPA call: correct, but several times slower.
-- New K and V rows go into the cache through the same extension's ``store_kv`` (one pass, no index_put
-  and no padding check in torch ops: about 60 us a layer at a decode step), or torch_backend's without it.
+  position, computed as the decode without drafts would compute it.
+- Other requests (prompts and prompt chunks) go to ``prefill_attention`` (``csrc/cpu_prefill.cpp``): flash
+  attention over the paged cache, the query heads of each KV head stacked as the rows of one small GEMM, scores
+  and softmax in float32; in bfloat16 on a CPU with AVX512-BF16 it multiplies in bfloat16 pairs (SDPA's flash
+  kernel multiplies bfloat16 far below a bfloat16 GEMM's rate there: docs/cpu.md has the figures).
+- New K and V rows go into the cache through the extension's ``store_kv`` (one pass, no index_put and no
+  padding check in torch ops).
+- Without the extension (no C++ compiler) every request takes one SDPA call: correct, but several times slower,
+  and torch_backend's store_kv.
 
 Each ``CpuBackend`` plans a step's decode rows and prompts once (every layer gets the same metadata object),
 so two engines in one process share nothing. Tested against the oracle in tests/test_cpu_attention.py.
 """
 
-import hashlib
-import logging
-import os
-import shutil
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from nanoengine.attention import load_backend as load_plain_backend
 from nanoengine.attention import torch_backend
 from nanoengine.attention.metadata import AttentionMetadata
 from nanoengine.attention.torch_backend import gather_context
-from nanoengine.utils.cpu_info import cpu_flags, cpu_model
-from nanoengine.utils.default_model import cache_dir
+from nanoengine.platforms.cpu.build import load_cpu_kernels
 
-logger = logging.getLogger(__name__)
-
-KERNEL_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_prefill.cpp")] + [
-    Path(__file__).parents[1] / "layers" / name for name in ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_decoder.cpp")]
-# -march=native: the build is for this CPU only (its folder is named after it). -ffast-math lets the
-# compiler vectorize the dot products and exp (glibc's vector exp needs all of it, finite math included).
-# -fopenmp: torch's parallel_for splits the (request, KV head) tasks over its threads.
-KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 KERNEL_MAX_QUERY_ROWS = 8  # a decode with up to this many rows (itself and its drafts) goes to the kernel
 
 
-def load_cpu_kernels() -> ModuleType | None:
-    """The attention kernels and the layers' small ops built for this machine, or None (logged) where they cannot
-    be."""
-    from torch.utils.cpp_extension import load
-
-    # The sources' paths are in the key: ninja rebuilds whenever they change, so two checkouts sharing one
-    # folder would rebuild each other's build at every start.
-    machine = f"{cpu_model()} {sorted(cpu_flags())} torch {torch.__version__} python {sys.version_info[:2]}"
-    build = cache_dir() / "cpu-kernels" / hashlib.sha1(f"{machine} {KERNEL_SOURCES}".encode()).hexdigest()[:12]
-    try:
-        if shutil.which("ninja") is None:  # pip's ninja lives beside this interpreter, which may not be on PATH
-            import ninja
-            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-        build.mkdir(parents=True, exist_ok=True)
-        # A build killed midway leaves a "lock" file in the folder that stalls the next one: delete it then.
-        logger.info("loading the CPU kernels from %s (the first time builds them: about 30 s)", build)
-        return load("nanoengine_cpu_kernels", [str(s) for s in KERNEL_SOURCES], extra_cflags=KERNEL_FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build))
-    except (OSError, RuntimeError, ImportError) as error:
-        logger.warning("the CPU kernels could not be built (%s); attention takes the slower SDPA path", error)
-        return None
+def load_backend(name: str):
+    """The attention backend ``name`` for a CPU run: a fresh ``CpuBackend`` for "cpu" (it plans per step, so
+    engines share none), else the plain backend's module."""
+    return CpuBackend(load_cpu_kernels()) if name == "cpu" else load_plain_backend(name)
 
 
 @dataclass

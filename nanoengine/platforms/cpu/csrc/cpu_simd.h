@@ -1,5 +1,5 @@
-// What the CPU kernels share (attention/cpu_decode.cpp, attention/cpu_prefill.cpp, layers/cpu_ops.cpp,
-// layers/cpu_linear.cpp): AVX-512 helpers, for which each kernel keeps a plain loop on CPUs without AVX-512, the
+// What the CPU kernels share (cpu_decode.cpp, cpu_prefill.cpp, cpu_ops.cpp,
+// cpu_linear.cpp): AVX-512 helpers, for which each kernel keeps a plain loop on CPUs without AVX-512, the
 // prefetch of a KV block, and round_up.
 #pragma once
 #include <ATen/ATen.h>
@@ -19,7 +19,7 @@ constexpr float kBelowEveryScore = -3.0e38f;
 // Asks for a KV block's rows of one head (``row_bytes`` each, ``token_stride`` elements apart) while the
 // block before it is being read: a block table scatters blocks over memory, where no prefetcher follows.
 // Into L2 (locality 2: prefetcht1), not L1: a prefetch into L1 holds one of L1's few miss buffers until its
-// line arrives, so a block's 64 lines queue; into L2 they are all in flight at once (1.4x on a Zen 4).
+// line arrives, so a block's 64 lines queue; into L2 they are all in flight at once.
 template <typename T>
 inline void prefetch_block(const T* k, const T* v, int block_size, int64_t token_stride, int row_bytes) {
   for (int t = 0; t < block_size; ++t)

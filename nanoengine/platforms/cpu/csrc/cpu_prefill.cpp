@@ -10,7 +10,7 @@
 // (K^T or V) is packed from the paged cache once per (request, KV head, key block), before the tasks run. With
 // AVX512-BF16 a bfloat16 cache multiplies in bfloat16 pairs (each product exact in float32, about twice the
 // float32 rate); P is then rounded to bfloat16, as torch's flash kernel does. Other caches (and CPUs) multiply
-// in float32. Built with cpu_decode.cpp by nanoengine/attention/cpu_backend.py.
+// in float32. Built with cpu_decode.cpp by nanoengine/platforms/cpu/build.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -24,8 +24,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "../layers/cpu_kernels.h"
-#include "../layers/cpu_simd.h"
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 #ifdef __AVX512BF16__
 using BFloat16Compute = at::BFloat16;  // what a bfloat16 cache multiplies in

@@ -2,13 +2,13 @@
 // layer's time is reading its weight, and oneDNN reads it at about half the memory's speed there; this kernel
 // reads the weight in long streams, each byte once per 8 rows, and keeps 24 sums in registers.
 //
-// The weight is packed once (layers/linear.py) so that one 64-byte load holds 16 outputs' weights for one step
+// The weight is packed once (platforms/cpu/linear.py) so that one 64-byte load holds 16 outputs' weights for one step
 // of the inputs: a pair of inputs (k, k+1) in bfloat16, which `vdpbf16ps` (AVX512-BF16) multiplies by a
 // broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), or one input k in float32, which an FMA
 // multiplies by a broadcast x. The layout is
 // [N/16, K/step, 16, step]. Each task computes V blocks of 16 outputs for every row, 8 rows at a time; a block's
 // weight stays in L2 between row chunks. The sums are float32, rounded once to the output's dtype (to nearest,
-// ties to even, as torch's matmul rounds). Built with the attention kernels by attention/cpu_backend.py;
+// ties to even, as torch's matmul rounds). Built with the attention kernels by build.py;
 // tested in tests/test_layers.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -137,8 +137,7 @@ void last_rows(const Operands<T>& op, int64_t row, int64_t block, int64_t count,
 // The first row chunk reads the tile's weight from memory, each stream asking a few steps ahead. The second
 // chunk (a whole one, or the last rows) finds it in L2 and asks for the next tile's instead (the same step of the
 // block V on), where a whole next tile follows and both tiles' weights fit in kSplitBytes (a core's L2 here): the
-// next tile's first chunk then finds its weight in L2 too. 16 rows 6.8 -> 6.0 ms, 32 rows 10.7 -> 10.1 ms for
-// SmolLM2's linears on a Zen 5, which at 8 rows multiplies twice as fast as it reads a weight from memory.
+// next tile's first chunk then finds its weight in L2 too (docs/cpu.md has the gain at 16 and 32 rows).
 template <typename T, int V>
 void blocks(const Operands<T>& op, int64_t block) {
   const int64_t ahead = prefetch_steps(V) * kBlockStep<T>, tile_elements = V * op.steps * kBlockStep<T>;

@@ -1,19 +1,19 @@
 // Every CPU kernel the extension holds, for the files that call one another's (the module's bindings in
-// attention/cpu_decode.cpp, the decoder layers' loop in layers/cpu_decoder.cpp).
+// cpu_decode.cpp, the decoder layers' loop in cpu_decoder.cpp).
 #pragma once
 #include <torch/extension.h>
 
 #include <string>
 #include <vector>
 
-// Attention, in nanoengine/attention/cpu_decode.cpp and cpu_prefill.cpp.
+// Attention, in cpu_decode.cpp and cpu_prefill.cpp.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                       double scale, const at::Tensor& out);
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
                        const at::Tensor& seq_lens, double scale, const at::Tensor& out);
-// The small per-layer ops, in nanoengine/layers/cpu_ops.cpp.
+// The small per-layer ops, in cpu_ops.cpp.
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out);
 void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
                   const at::Tensor& out);
@@ -22,11 +22,11 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
 void argmax(const at::Tensor& x, const at::Tensor& out);
-// The linear layers' kernel, in nanoengine/layers/cpu_linear.cpp.
+// The linear layers' kernel, in cpu_linear.cpp.
 std::vector<std::string> linear_dtypes();
 void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
             const at::Tensor& out);
-// The decoder layers in one call, in nanoengine/layers/cpu_decoder.cpp.
+// The decoder layers in one call, in cpu_decoder.cpp.
 std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const std::vector<c10::optional<at::Tensor>>& weights,
                                        const std::vector<at::Tensor>& caches, const at::Tensor& cos,
                                        const at::Tensor& sin, const at::Tensor& slot_mapping,

@@ -1,7 +1,7 @@
 """``nanoengine prefix-report REQUESTS.jsonl``: which part of a prompt template breaks prefix-cache reuse.
 
     nanoengine prefix-report REQUESTS.jsonl [--model DIR] [--num-blocks N] [--block-size 16] [--json] [--plot FILE]
-    python -m nanoengine.prefix_report ...     (the same)
+    python -m nanoengine.serve.prefix_report ...     (the same)
 
 Each line is one request body: ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}``
 (rendered by the model's chat template as ``LLM.chat`` renders it), each with an optional ``cache_salt``; other
@@ -23,12 +23,12 @@ from jinja2 import TemplateError
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.processor import Processor
 from nanoengine.engine.request import Request
-from nanoengine.engine.trace import new_figure
 from nanoengine.sampling_params import SamplingParams
-from nanoengine.serve.api_server import RequestValidator
 from nanoengine.serve.protocol import ChatCompletionRequest
 from nanoengine.utils.default_model import default_model_path
+from nanoengine.utils.plots import new_figure
 
 CONTEXT_TOKENS = 10  # decoded on either side of a divergence
 TOP_GROUPS = 5
@@ -42,7 +42,7 @@ class Entry:
     roles: list[str] = field(default_factory=list)
 
 
-def read_requests(path: str, validator: RequestValidator) -> tuple[list[Entry], list[dict]]:
+def read_requests(path: str, validator: Processor) -> tuple[list[Entry], list[dict]]:
     entries, errors = [], []
     with open(path) as lines:
         for number, text in enumerate(lines, start=1):
@@ -54,7 +54,7 @@ def read_requests(path: str, validator: RequestValidator) -> tuple[list[Entry], 
     return entries, errors
 
 
-def parse_line(number: int, text: str, validator: RequestValidator) -> Entry:
+def parse_line(number: int, text: str, validator: Processor) -> Entry:
     body = json.loads(text)
     if not isinstance(body, dict):
         raise ValueError("a line must be a JSON object (one request body)")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                 "device": "cpu"})
         if args.num_blocks is not None and args.num_blocks < 1:
             raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
-        validator = RequestValidator(config)
+        validator = Processor(config)
         if args.num_blocks:  # the engine lowers max_model_len to what its KV cache holds
             config.max_model_len = min(config.max_model_len, args.num_blocks * args.block_size)
         entries, errors = read_requests(args.requests, validator)
