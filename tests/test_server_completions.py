@@ -173,7 +173,7 @@ def test_tokenize_detokenize_and_version(server, offline):
                      "token_strs": tokenizer.convert_ids_to_tokens(tokenizer.encode("Hello world"))}
     messages = [{"role": "user", "content": "Hi"}]
     chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
-    assert chat["tokens"] == offline.llm_engine.render_chat(messages, add_generation_prompt=True)[1]
+    assert chat["tokens"] == offline.llm_engine.processor.render_chat(messages, add_generation_prompt=True)[1]
     assert httpx.post(f"{url}/detokenize", json={"tokens": chat["tokens"]}).json() == {
         "prompt": tokenizer.decode(chat["tokens"])}
     assert httpx.get(f"{url}/version").json()["version"]

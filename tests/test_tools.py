@@ -23,7 +23,7 @@ from nanoengine.serve.api_server import APIError, OpenAIServer
 from nanoengine.serve.protocol import ChatCompletionRequest, Tool
 from nanoengine.serve.tools import HermesCalls, RequiredCalls, calls_schema, merged
 
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 1024  # room for several random schemas rendered into the prompt, and 400 tokens of calls
 
 # A Qwen-like template (tools in the system turn, calls as <tool_call>...</tool_call>): SmolLM2's renders neither.
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -56,6 +56,8 @@ SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in 
 def hermes_model(sharp_tiny_model, tmp_path_factory):
     folder = shutil.copytree(sharp_tiny_model[0], tmp_path_factory.mktemp("hermes") / "model")
     (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MAX_MODEL_LEN}))
     return str(folder)
 
 

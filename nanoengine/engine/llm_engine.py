@@ -128,7 +128,7 @@ class LLMEngine:
         # 3. Process the outputs: tokens appended, stops checked, outputs made; finished requests forgotten.
         outputs = held + self.output_processor.process(scheduled, result, failed)
         self.drafter.record_verifications(result)
-        for request in scheduled.requests:
+        for request in failed + scheduled.requests:  # the failed are no longer among the scheduled
             if request.is_finished:
                 self.forget(request)
         if self.trace is not None:
