@@ -148,7 +148,10 @@ def test_forced_calls_for_random_schemas_always_have_valid_arguments(client, sch
     # max_tokens; the calls it completed are still whole and valid.
     assert calls and (finish_reason == "tool_calls" or not named and parallel and finish_reason == "length")
     for call in calls:
-        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[int(call["function"]["name"][1:])])
+        # xgrammar's JSON strings admit raw control characters other than CR and LF (docs/api.md): read them as
+        # LangChain does, strict=False; the schema check is the test.
+        arguments = json.loads(call["function"]["arguments"], strict=False)
+        jsonschema.validate(arguments, schemas[int(call["function"]["name"][1:])])
 
 
 def weather_call_text(prefix: str) -> str:
