@@ -120,19 +120,13 @@ def throughput_report(preset, model, device, workload, hw, floor: Roofline, resu
     }
 
 
+OWN_TABLES = {"spec": print_spec_table, "serve": print_serve_table, "serve-dp": print_serve_dp_table,
+              "llamacpp": print_llamacpp_table, "quality": print_quality_table, "profile": print_profile}
+
+
 def print_table(report: dict) -> None:
-    if report["preset"] == "spec":
-        return print_spec_table(report)
-    if report["preset"] == "serve":
-        return print_serve_table(report)
-    if report["preset"] == "serve-dp":
-        return print_serve_dp_table(report)
-    if report["preset"] == "llamacpp":
-        return print_llamacpp_table(report)
-    if report["preset"] == "quality":
-        return print_quality_table(report)
-    if report["preset"] == "profile":
-        return print_profile(report)
+    if report["preset"] in OWN_TABLES:
+        return OWN_TABLES[report["preset"]](report)
     print(f"\n{report['preset']} preset on {report['device']} ({report['model']})")
     if "machine" in report:
         print(f"machine: {machine_line(report['machine'])}; dtype {report['dtype']}")

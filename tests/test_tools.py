@@ -277,7 +277,8 @@ def test_auto_with_a_template_that_does_not_render_tools_is_a_400(sharp_tiny_mod
     template: its grammar holds the function's schema."""
     def prompt(folder, tool_choice):
         front = OpenAIServer(None, Processor(EngineConfig(folder)), ["m"], None, "hermes")
-        return front.chat_prompt(ChatCompletionRequest(messages=ASK, tools=[WEATHER], tool_choice=tool_choice))
+        body = ChatCompletionRequest(messages=ASK, tools=[WEATHER], tool_choice=tool_choice)
+        return front.chat_prompt(body, front.tool_use(body))
 
     with pytest.raises(APIError, match="does not render tools") as refused:
         prompt(sharp_tiny_model[0], "auto")

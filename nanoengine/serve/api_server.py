@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from nanoengine.engine.processor import Processor
 from nanoengine.engine.request import ParentRequest
 from nanoengine.engine.request import Request as EngineRequest
-from nanoengine.sampling_params import SamplingParams, field_error
+from nanoengine.sampling_params import field_error
 from nanoengine.serve.admission import Admission, AdmissionGate, AdmissionLimits, Ticket
 from nanoengine.serve.choices import Choices, completion_logprobs, vllm_prompt_logprobs
 from nanoengine.serve.client import EngineCoreClient, EngineUnavailableError
@@ -76,6 +76,7 @@ class Prepared:
     request_id: str
     requests: list[EngineCoreRequest]
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    tool_use: ToolUse | None = None  # a chat's tools and tool_choice, checked
 
 
 class OpenAIServer:
@@ -110,13 +111,14 @@ class OpenAIServer:
                                 f"{self.model_names[0]!r})", "model")
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tool_use = self.tool_use(body)
         try:
             self.warn_unknown_fields(body)
-            prompts = [{"prompt_token_ids": self.chat_prompt(body)}] if chat else [
+            prompts = [{"prompt_token_ids": self.chat_prompt(body, tool_use)}] if chat else [
                 {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt} for prompt in body.prompts()]
             params = body.to_sampling_params(self.generation_defaults)
-            if chat:
-                params = self.with_tool_grammar(body, params)
+            if forced := tool_use and tool_use.structured_outputs():  # a named or required tool_choice
+                params = replace(params, structured_outputs=forced)
             if params.n > self.validator.config.max_num_seqs:
                 raise field_error("n", f"n must be at most max_num_seqs ({self.validator.config.max_num_seqs}), "
                                        f"got {params.n}")
@@ -131,7 +133,7 @@ class OpenAIServer:
         if not chat and body.echo:
             echo_texts = [p.get("prompt") or self.validator.tokenizer.decode(r.prompt_token_ids)
                           for p, r in zip(prompts, requests)]
-        return Prepared(request_id, requests, echo_texts)
+        return Prepared(request_id, requests, echo_texts, tool_use)
 
     def warn_unknown_fields(self, body: GenerationRequest) -> None:
         for name in body.unknown_fields():
@@ -140,13 +142,12 @@ class OpenAIServer:
                 logger.warning("ignoring the request field %r, which no OpenAI or vLLM request has (logged once)",
                                name)
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest, tool_use: ToolUse | None) -> list[int]:
         messages = [m.for_template() for m in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         options = body.template_options()
         try:
             text, token_ids = self.validator.render_chat(messages, tools=tools, **options)
-            tool_use = self.tool_use(body)
             if tool_use and tool_use.choice == "auto" and text == self.validator.render_chat(messages, **options)[0]:
                 raise APIError(400, 'the model\'s chat template does not render tools, so with tool_choice "auto" '
                                     'the model would never see them; name a function or use "required"', "tools")
@@ -161,12 +162,6 @@ class OpenAIServer:
             return ToolUse.of(body, self.tool_call_parser)
         except ValueError as error:
             raise APIError(400, str(error), error.param) from error
-
-    def with_tool_grammar(self, body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
-        """A named or required tool_choice forces its calls through structured outputs."""
-        tool_use = self.tool_use(body)
-        forced = tool_use and tool_use.structured_outputs()
-        return params if forced is None else replace(params, structured_outputs=forced)
 
     async def outputs(self, request: EngineCoreRequest, ticket: Ticket):
         """The request's outputs, recording metrics; engine failures become APIErrors."""
@@ -213,7 +208,7 @@ class OpenAIServer:
 
     async def respond(self, body: GenerationRequest, prepared: Prepared, chat: bool, http: Request):
         base = {"id": prepared.request_id, "created": int(time.time()), "model": self.model_names[0]}
-        choices, tool_use = Choices(body.n, prepared.echo_texts), self.tool_use(body)
+        choices, tool_use = Choices(body.n, prepared.echo_texts), prepared.tool_use
         outputs = self.all_outputs(prepared.requests, http.state.admission)
         first = await until_disconnected(self.first_output(outputs, http.state.admission), http)
         if first is None:

@@ -281,8 +281,8 @@ async def create_response(server: OpenAIServer, body: ResponsesRequest, http: Re
     body.check_served()
     try:
         chat = body.to_chat()
-        request = (await server.admit(chat, http)).requests[0]  # one prompt, n = 1
-        tool_use = server.tool_use(chat)
+        prepared = await server.admit(chat, http)
+        request, tool_use = prepared.requests[0], prepared.tool_use  # one prompt, n = 1
     except APIError as error:
         raise renamed(error) from None
     writer = ResponseWriter(new_response(body, chat, server, request.params), tool_use and tool_use.extractor())
