@@ -10,6 +10,7 @@
     python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
     python bench.py --compare llamacpp
     python bench.py --preset quality [--n-ctx N]
+    python bench.py --preset quantization [--model DIR | --model random:llama-3.2-1b] [--rounds N]
     python bench.py --preset profile [--num-prompts N] [--prompt-len L] [--dtype D]
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
@@ -31,10 +32,13 @@ on the same requests too, at float32 and at bfloat16;
 ``--compare llamacpp`` runs llama-batched-bench's workload on llama.cpp's bf16 and Q8_0 files and on our
 engine in bfloat16 (``make bench-llamacpp`` builds llama.cpp); ``quality`` prints the perplexity of our
 bfloat16 and float32 and of llama.cpp's two files on a fixed text (benchmarks/quality.py says how it is scored).
-``profile`` prints where one step's time goes (benchmarks/profile.py).
+``profile`` prints where one step's time goes (benchmarks/profile.py). ``quantization`` runs our engine in bfloat16,
+with int8 weights, with an int8 KV cache and with both, on one request and on 32 (benchmarks/quantization.py).
+``--model random:NAME`` (qwen3-0.6b, llama-3.2-1b) is a model of that shape with random weights and SmolLM2's
+vocabulary size.
 
 The presets' shared parts and peers live in benchmarks/ (common, roofline, peers, latency, serve, serve_dp, spec,
-llamacpp, quality);
+llamacpp, quality, quantization);
 this file runs the throughput and structured presets and is the entry point for all.
 """
 
@@ -61,6 +65,7 @@ from benchmarks.llamacpp import compare_llamacpp, print_llamacpp_table
 from benchmarks.peers import compare_hf, compare_vllm
 from benchmarks.profile import print_profile, profile_preset
 from benchmarks.quality import print_quality_table, quality_preset
+from benchmarks.quantization import print_quantization_table, quantization_preset
 from benchmarks.roofline import Hardware, ModelShape, Roofline, machine, roofline
 from benchmarks.serve import print_serve_table, serve_preset
 from benchmarks.serve_dp import print_serve_dp_table, serve_dp_preset
@@ -121,7 +126,8 @@ def throughput_report(preset, model, device, workload, hw, floor: Roofline, resu
 
 
 OWN_TABLES = {"spec": print_spec_table, "serve": print_serve_table, "serve-dp": print_serve_dp_table,
-              "llamacpp": print_llamacpp_table, "quality": print_quality_table, "profile": print_profile}
+              "llamacpp": print_llamacpp_table, "quality": print_quality_table, "profile": print_profile,
+              "quantization": print_quantization_table}
 
 
 def print_table(report: dict) -> None:
@@ -196,7 +202,8 @@ def machine_line(machine: dict) -> str:
 
 PRESETS = {"gpu": throughput_preset, "cpu": throughput_preset, "prefix": prefix_preset, "chunked": chunked_preset,
            "structured": structured_preset, "serve": serve_preset, "spec": spec_preset,
-           "serve-dp": serve_dp_preset, "quality": quality_preset, "profile": profile_preset}
+           "serve-dp": serve_dp_preset, "quality": quality_preset, "profile": profile_preset,
+           "quantization": quantization_preset}
 
 
 def peer_set(text: str) -> set[str]:
@@ -213,7 +220,8 @@ def peer_set(text: str) -> set[str]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if on_gpu() else "cpu")
-    parser.add_argument("--model", help="a Hugging Face model folder (default: per preset)")
+    parser.add_argument("--model", help="a Hugging Face model folder, or random:NAME (a random model of a real "
+                        "shape: qwen3-0.6b, llama-3.2-1b; default: per preset)")
     parser.add_argument("--compare", type=peer_set, default=set(),
                         help="hf, vllm or hf,vllm: also run transformers and/or vLLM on the same requests; "
                              "llamacpp: llama.cpp and ours on llama-batched-bench's workload")

@@ -20,7 +20,14 @@ QWEN3_0_6B_SHAPE = dict(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
     rope_theta=1000000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-RANDOM_MODEL_NAME = "bench-qwen3-0.6b-random"
+LLAMA_3_2_1B_SHAPE = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_theta=500000.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# ``--model random:NAME``: a model body of a real shape with random weights and SmolLM2's vocabulary size (the CPU
+# runs, where a 128k-151k vocabulary's LM head would weigh as much as the body). The gpu preset keeps Qwen3's own.
+RANDOM_SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_0_6B_SHAPE), "llama-3.2-1b": ("LlamaConfig", LLAMA_3_2_1B_SHAPE)}
+SMOLLM2_VOCAB = 49152
 
 @dataclass
 class Workload:
@@ -51,19 +58,24 @@ def make_requests(w: Workload, seed: int = 0) -> tuple[list[list[int]], list[Sam
     return prompts, params
 
 
-def random_qwen3_model(folder: Path | None = None) -> str:
-    """A Qwen3-0.6B-shaped checkpoint with random weights (bf16), built once and cached."""
-    folder = folder or cache_dir() / RANDOM_MODEL_NAME
+def random_model(name: str = "qwen3-0.6b", vocab_size: int | None = None) -> str:
+    """A checkpoint of RANDOM_SHAPES[name] with random weights (bf16), built once and cached."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if name not in RANDOM_SHAPES:
+        raise ValueError(f"no random model shape {name!r}: choose one of {sorted(RANDOM_SHAPES)}")
+    config_class, shape = RANDOM_SHAPES[name]
+    folder = cache_dir() / (f"bench-{name}-random" + ("" if vocab_size is None else f"-vocab{vocab_size}"))
     if (folder / "model.safetensors").is_file():
         return str(folder)
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    print(f"bench: building a random Qwen3-0.6B-shaped model in {folder} (once)", file=sys.stderr)
+    print(f"bench: building a random {name}-shaped model in {folder} (once)", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         torch.manual_seed(0)
-        config = Qwen3Config(**QWEN3_0_6B_SHAPE, dtype="bfloat16")
+        config = getattr(transformers, config_class)(**dict(shape, vocab_size=vocab_size or shape["vocab_size"]),
+                                                     dtype="bfloat16")
         with torch.device("cuda" if on_gpu() else "cpu"):  # random init of 0.6B weights is slow on a CPU
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(temp)
@@ -89,11 +101,14 @@ def byte_level_tokenizer():
 
 
 def model_for(args) -> str:
-    """The model a preset runs: the random Qwen3-0.6B shape on a GPU, SmolLM2 on the CPU."""
+    """The model a preset runs: ``--model`` (a folder, or random:NAME, see RANDOM_SHAPES), else the random
+    Qwen3-0.6B shape on a GPU and SmolLM2 on the CPU."""
+    if args.model and args.model.startswith("random:"):
+        return random_model(args.model.removeprefix("random:"), SMOLLM2_VOCAB)
     if args.model:
         return args.model
     if args.preset == "gpu" or (args.preset != "cpu" and on_gpu()):
-        return random_qwen3_model()
+        return random_model()
     return default_model_path()
 
 def sync() -> None:

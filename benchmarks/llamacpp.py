@@ -67,12 +67,12 @@ def batched_bench(gguf: Path, sequences=SEQUENCES) -> dict[int, float]:
     return {row["pl"]: row["t"] for row in rows}
 
 
-def ours_batched(model: str, dtype: str, sequences=SEQUENCES) -> dict[int, float]:
+def ours_batched(model: str, dtype: str, sequences=SEQUENCES, **llm_options) -> dict[int, float]:
     """Our engine on the same workload: each sequence 256 random prompt tokens, 128 generated, all sent at once
     (the engine interleaves prompts and decoding as it schedules; llama-batched-bench runs all prompts first)."""
     rng = random.Random(0)
     seconds = {}
-    with LLM(model, dtype=dtype, max_model_len=PROMPT_TOKENS + GENERATED_TOKENS) as llm:
+    with LLM(model, dtype=dtype, max_model_len=PROMPT_TOKENS + GENERATED_TOKENS, **llm_options) as llm:
         vocab = llm.config.hf_config.vocab_size
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=GENERATED_TOKENS)
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -82,37 +82,38 @@ def ours_batched(model: str, dtype: str, sequences=SEQUENCES) -> dict[int, float
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds[count] = time.perf_counter() - start
             assert all(len(o.outputs[0].token_ids) == GENERATED_TOKENS for o in outputs)
-            print(f"bench: nanoengine {dtype}, {count} sequences: {seconds[count]:.2f} s", file=sys.stderr)
+            print(f"bench: nanoengine {dtype} {llm_options}, {count} sequences: {seconds[count]:.2f} s",
+                  file=sys.stderr)
     return seconds
 
 
 def compare_llamacpp(model: str, dtype: str = "bfloat16") -> dict:
-    """Ours and llama.cpp's bf16 and Q8_0 files on llama-batched-bench's workload, in one run."""
+    """Ours in ``dtype`` against llama.cpp's bf16 file, and ours with int8 weights and an int8 KV cache against
+    its Q8_0 file, on llama-batched-bench's workload, in one run."""
     from benchmarks.common import device_name
 
-    engines = {f"nanoengine {dtype}": ours_batched(model, dtype)}
+    ours_int8 = f"nanoengine {dtype}, int8 weights + KV"
+    engines = {f"nanoengine {dtype}": ours_batched(model, dtype),
+               ours_int8: ours_batched(model, dtype, quantization="int8", kv_cache_dtype="int8")}
     for outtype, name in FILE_TYPES.items():
         engines[f"llama.cpp {name}"] = batched_bench(gguf_file(model, outtype))
         print(f"bench: llama.cpp {name}: {engines[f'llama.cpp {name}']}", file=sys.stderr)
     return {"preset": "llamacpp", "model": model, "device": device_name("cpu"), "threads": threads(),
             "workload": f"{PROMPT_TOKENS} prompt tokens, then {GENERATED_TOKENS} generated, per sequence",
-            "seconds": {name: {str(n): s for n, s in runs.items()} for name, runs in engines.items()}}
+            "seconds": {name: {str(n): s for n, s in runs.items()} for name, runs in engines.items()},
+            "pairs": [[f"nanoengine {dtype}", "llama.cpp bf16"], [ours_int8, "llama.cpp Q8_0"]]}
 
 
 def print_llamacpp_table(report: dict) -> None:
     print(f"\nllama-batched-bench's workload ({report['workload']}) on {report['device']}, "
           f"llama.cpp at {report['threads']} threads with flash attention; {report['model']}")
     seconds = report["seconds"]
-    ours, *peers = seconds
-    header = f"{'sequences':>10}{ours + ' s':>22}" + "".join(f"{p + ' s':>20}{'ours / it':>11}" for p in peers)
-    print(header)
-    for count in seconds[ours]:
-        mine = seconds[ours][count]
-        line = f"{count:>10}{mine:>22.2f}"
-        for peer in peers:
+    for ours, peer in report["pairs"]:
+        print(f"{'sequences':>10}{ours + ' s':>40}{peer + ' s':>20}{'ours / it':>11}")
+        for count, mine in seconds[ours].items():
             theirs = seconds[peer].get(count)
-            line += f"{theirs:>20.2f}{theirs / mine:>10.2f}x" if theirs else f"{'-':>20}{'-':>11}"
-        print(line)
+            print(f"{count:>10}{mine:>40.2f}" + (f"{theirs:>20.2f}{theirs / mine:>10.2f}x" if theirs else
+                                                   f"{'-':>20}{'-':>11}"))
     print("ours / it: llama.cpp's seconds over ours (above 1: we are faster)")
 
 

@@ -16,6 +16,10 @@ from nanoengine import LLM, SamplingParams
 
 TEXT = Path(__file__).parent.parent / "tests" / "fixtures" / "alice_chapters_1_2.txt"
 N_CTX = 1024  # 5 windows of the text, 2,555 scored tokens
+GREEDY_PROMPTS, GREEDY_TOKENS, GREEDY_MAX_LEN = 16, 64, 512  # the spec preset's chat prompts, ~150 tokens each
+INT8_WEIGHTS, INT8_KV = {"quantization": "int8"}, {"kv_cache_dtype": "int8"}
+QUALITY_RUNS = [("bfloat16", {}), ("float32", {}), ("bfloat16", INT8_WEIGHTS), ("bfloat16", INT8_KV),
+                ("bfloat16", INT8_WEIGHTS | INT8_KV)]
 
 
 def window_starts(num_tokens: int, n_ctx: int) -> range:
@@ -58,40 +62,66 @@ def perplexity(nlls: list[float]) -> float:
     return math.exp(sum(nlls) / len(nlls))
 
 
-def engine_perplexity(model: str, dtype: str, n_ctx: int = N_CTX, text: Path = TEXT, **llm_options) -> dict:
-    with LLM(model, dtype=dtype, max_model_len=n_ctx + 16, **llm_options) as llm:
+def engine_perplexity(model: str, dtype: str, n_ctx: int = N_CTX, text: Path = TEXT, greedy_prompts=(),
+                      **llm_options) -> dict:
+    """Our perplexity on ``text``; with ``greedy_prompts`` (token ids), also the greedy tokens we answer them with."""
+    max_model_len = max(n_ctx, GREEDY_MAX_LEN if greedy_prompts else 0) + 16
+    with LLM(model, dtype=dtype, max_model_len=max_model_len, **llm_options) as llm:
         context = llm.config.hf_config.max_position_embeddings
         if n_ctx > context:
             raise ValueError(f"n_ctx={n_ctx} is longer than the model's context ({context})")
         tokens, bos = text_tokens(llm.get_tokenizer(), text.read_text())
         nlls = engine_nlls(llm, tokens, n_ctx, bos)
-    return {"engine": f"nanoengine {dtype}", "perplexity": perplexity(nlls), "scored_tokens": len(nlls),
-            "text_tokens": len(tokens)}
+        params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+        answers = llm.generate(list(greedy_prompts), params, use_tqdm=False) if greedy_prompts else []
+        greedy = [answer.outputs[0].token_ids for answer in answers]
+    quantized = [name for name, option in (("int8 weights", "quantization"), ("int8 KV", "kv_cache_dtype"))
+                 if llm_options.get(option)]
+    return {"engine": " + ".join([f"nanoengine {dtype}", *quantized]), "perplexity": perplexity(nlls),
+            "scored_tokens": len(nlls), "text_tokens": len(tokens), "greedy": greedy}
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
+    """How many answers are identical, and the mean share of each answer before its first differing token."""
+    prefixes = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref)) / len(ref)
+                for ref, out in zip(reference, other)]
+    return sum(p == 1 for p in prefixes), sum(prefixes) / len(prefixes)
 
 
 def quality_preset(args) -> dict:
-    """Our perplexity in bfloat16 and float32, and llama.cpp's with its bf16 and Q8_0 files (once
-    `make llamacpp` has built them), on the same text and windows."""
+    """Our perplexity in bfloat16 and float32, in bfloat16 with int8 weights, an int8 KV cache and both, and
+    llama.cpp's with its bf16 and Q8_0 files (once `make llamacpp` has built them), on the same text and windows;
+    and how often our variants answer the spec preset's chat prompts with bfloat16's greedy tokens."""
+    from transformers import AutoTokenizer
+
     from benchmarks.common import model_for
     from benchmarks.llamacpp import llamacpp_perplexities
+    from benchmarks.spec import grounded_prompts
 
     model = model_for(args)
     n_ctx = args.n_ctx or N_CTX
-    runs = [engine_perplexity(model, dtype, n_ctx) for dtype in ("bfloat16", "float32")]
+    chat = grounded_prompts(AutoTokenizer.from_pretrained(model), GREEDY_PROMPTS)
+    runs = [engine_perplexity(model, dtype, n_ctx, greedy_prompts=chat, **options) for dtype, options in QUALITY_RUNS]
     for run in runs:
+        run["identical_answers"], run["greedy_prefix"] = greedy_agreement(runs[0]["greedy"], run.pop("greedy"))
         print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
     peers, tokens_note = llamacpp_perplexities(model, n_ctx, TEXT)
     return {"preset": "quality", "model": model, "text": TEXT.name, "n_ctx": n_ctx, "runs": runs + peers,
-            "tokens_note": tokens_note}
+            "tokens_note": tokens_note, "greedy_prompts": len(chat), "greedy_tokens": GREEDY_TOKENS}
 
 
 def print_quality_table(report: dict) -> None:
     print(f"\nquality preset: perplexity of {report['model']} on {report['text']}, windows of {report['n_ctx']} "
           f"tokens, the second half of each scored")
     base = report["runs"][0]["perplexity"]
-    print(f"{'engine':<30}{'perplexity':>12}{'vs ours bf16':>14}{'scored tokens':>15}")
+    print(f"{'engine':<46}{'perplexity':>12}{'vs ours bf16':>14}{'scored tokens':>15}{'same answers':>14}"
+          f"{'same prefix':>13}")
     for run in report["runs"]:
         change = 100 * (run["perplexity"] / base - 1)
-        print(f"{run['engine']:<30}{run['perplexity']:>12.4f}{change:>+13.2f}%{run['scored_tokens']:>15,}")
+        agreement = (f"{run['identical_answers']:>9}/{report['greedy_prompts']:<4}{100 * run['greedy_prefix']:>12.1f}%"
+                     if "identical_answers" in run else "")
+        print(f"{run['engine']:<46}{run['perplexity']:>12.4f}{change:>+13.2f}%{run['scored_tokens']:>15,}{agreement}")
+    print(f"same answers: of {report['greedy_prompts']} chat prompts, those answered with bfloat16's "
+          f"{report['greedy_tokens']} greedy tokens; same prefix: the mean share before the first differing token")
     if report["tokens_note"]:
         print(report["tokens_note"])

@@ -139,7 +139,8 @@ def test_llamacpp_results_are_found_among_its_log_lines(monkeypatch, tmp_path, c
     assert llamacpp.batched_bench(tmp_path / "model.gguf", (1, 4)) == {1: 0.5, 4: 2.0}
     assert llamacpp.llama_perplexity(tmp_path / "model.gguf", tmp_path / "text.txt", 1024) == (18.9731, 5 * 511)
     bench.print_table({"preset": "llamacpp", "model": "m", "device": "cpu", "threads": 2, "workload": "w",
-                       "seconds": {"nanoengine bfloat16": {"1": 0.25, "4": 1.0}, "llama.cpp Q8_0": {"1": 0.5}}})
+                       "seconds": {"ours": {"1": 0.25, "4": 1.0}, "llama.cpp Q8_0": {"1": 0.5}},
+                       "pairs": [["ours", "llama.cpp Q8_0"]]})
     table = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["1", "0.25", "0.50", "2.00x"] in table and ["4", "1.00", "-", "-"] in table
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.quality import TEXT, engine_perplexity, window_starts, windows
+from benchmarks.quality import TEXT, engine_perplexity, greedy_agreement, window_starts, windows
 
 N_CTX = 64
 
@@ -47,3 +47,9 @@ def test_windows_follow_llama_perplexity():
 def test_the_fixture_is_4k_to_8k_tokens(smollm2_dir):
     tokens = AutoTokenizer.from_pretrained(smollm2_dir)(TEXT.read_text(), add_special_tokens=False).input_ids
     assert 4000 <= len(tokens) <= 8000
+
+
+def test_greedy_agreement_counts_identical_answers_and_the_share_before_the_first_difference():
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    other = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9]]
+    assert greedy_agreement(reference, other) == (1, (1 + 0.5 + 0) / 3)
