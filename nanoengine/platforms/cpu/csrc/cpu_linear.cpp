@@ -50,11 +50,14 @@ struct Step<int8_t> {
   }
 };
 
+// The steps that multiply x as it is: ``load`` a step's weights once per step of a tile, ``multiply_add`` them
+// with each row's broadcast x.
 template <>
 struct Step<float> {
   static constexpr int inputs = 1;
-  static __m512 multiply_add(__m512 sums, __m512i x, const float* w) {
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_loadu_ps(w), sums);
+  static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
+  static __m512 multiply_add(__m512 sums, __m512i x, __m512 w) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), w, sums);
   }
 };
 
@@ -62,9 +65,27 @@ struct Step<float> {
 template <>
 struct Step<at::BFloat16> {
   static constexpr int inputs = 2;
-  static __m512 multiply_add(__m512 sums, __m512i x, const at::BFloat16* w) {
-    return _mm512_dpbf16_ps(sums, as_pairs(x), load_pairs(w));
+  static __m512bh load(const at::BFloat16* w) { return load_pairs(w); }
+  static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
+};
+
+// An int8 weight times bfloat16 x where the CPU has AVX512-BF16: the int8 layout read two inputs a step (input k's
+// 16 bytes, then input k + 1's), both widened to float32 and made the bfloat16 pairs that `vdpbf16ps` multiplies
+// by a broadcast pair of x: an integer of at most 8 bits is exact in bfloat16 (its float32's low 16 bits are
+// zero), so each product is exact in float32, as in the FMAs, at twice their rate.
+struct Int8Pairs {
+  int8_t value;
+};
+template <>
+struct Step<Int8Pairs> {
+  static constexpr int inputs = 2;
+  static __m512bh load(const Int8Pairs* w) {
+    const __m128i* bytes = reinterpret_cast<const __m128i*>(w);
+    const __m512i first = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes))));
+    const __m512i second = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1))));
+    return as_pairs(_mm512_or_si512(_mm512_srli_epi32(first, 16), second));
   }
+  static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
 };
 template <typename T>
 constexpr bool kWidens = std::is_same_v<T, int8_t>;
@@ -87,10 +108,23 @@ constexpr bool kWidens = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, in
 #endif
 
 template <typename W>
-using Input = std::conditional_t<kWidens<W>, float, W>;  // what x is read as
+struct InputOf {
+  using type = std::conditional_t<kWidens<W>, float, W>;
+};
+#if defined(__AVX512BF16__)
+template <>
+struct InputOf<Int8Pairs> {
+  using type = at::BFloat16;
+};
+#endif
+template <typename W>
+using Input = typename InputOf<W>::type;  // what x is read as
 
 template <typename W>
 constexpr int64_t kBlockStep = kLanes * Step<W>::inputs;  // elements of one step of one block
+
+template <typename W>
+constexpr bool kScaled = sizeof(W) == 1;  // int8: the sums times the output's scale
 
 // W: the packed weight's type; T: the bias's and the output's (an int8 weight's x, bias and out are float32,
 // bfloat16 or float16; any other weight's are of its own type).
@@ -127,18 +161,19 @@ void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
           for (int v = 0; v < V; ++v) sums[r][v] = _mm512_fmadd_ps(broadcast, wide[v][i], sums[r][v]);
         }
     } else {
+      decltype(Step<W>::load(streams[0])) weights[V];
+      for (int v = 0; v < V; ++v) weights[v] = Step<W>::load(streams[v] + s * kBlockStep<W>);
       const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + row * op.steps;  // one int32 = one step of x
       for (int r = 0; r < R; ++r) {
         const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
-        for (int v = 0; v < V; ++v)
-          sums[r][v] = Step<W>::multiply_add(sums[r][v], broadcast, streams[v] + s * kBlockStep<W>);
+        for (int v = 0; v < V; ++v) sums[r][v] = Step<W>::multiply_add(sums[r][v], broadcast, weights[v]);
       }
     }
   }
   for (int v = 0; v < V; ++v) {
     const int64_t column = (block + v) * kLanes;
     const __m512 bias = op.bias ? load16(op.bias + column) : _mm512_setzero_ps();
-    if constexpr (std::is_same_v<W, int8_t>) {
+    if constexpr (kScaled<W>) {
       const __m512 scale = _mm512_loadu_ps(op.scale + column);
       for (int r = 0; r < R; ++r) sums[r][v] = _mm512_mul_ps(sums[r][v], scale);
     }
@@ -211,9 +246,9 @@ template <typename W, typename T = W>
 void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
   const at::Tensor input = kWidens<W> ? x.to(at::kFloat) : x;
-  const Operands<W, T> op{input.data_ptr<Input<W>>(), packed.data_ptr<W>(), scale ? scale->data_ptr<float>() : nullptr,
-                          bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0), packed.size(1),
-                          out.size(1)};
+  const Operands<W, T> op{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
+                          scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
+                          out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)};
   if (op.rows <= 2) return run<W, T, 8>(op);
   if (op.rows <= 4) return run<W, T, 6>(op);
   run<W, T, kAccumulators / kRowsPerChunk>(op);
@@ -276,6 +311,10 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<a
     check_scale(x, scale, out.size(1));
   else
     TORCH_CHECK(!scale, "linear: a scale goes with an int8 weight only");
+#if defined(__AVX512BF16__)
+  if (int8 && dtype == at::kBFloat16 && x.size(1) % 2 == 0)
+    return linear_as<Int8Pairs, at::BFloat16>(x, packed, scale, bias, out);
+#endif
 #if defined(__AVX512F__)
   if (int8 && dtype == at::kBFloat16) return linear_as<int8_t, at::BFloat16>(x, packed, scale, bias, out);
   if (int8 && dtype == at::kHalf) return linear_as<int8_t, at::Half>(x, packed, scale, bias, out);
