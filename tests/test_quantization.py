@@ -2,6 +2,7 @@
 against the dequantized weight's exact product, and the engine against float32 and bfloat16 runs."""
 
 import argparse
+import json
 import logging
 import shutil
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.arg_utils import EngineArgs
+from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
 from nanoengine.platforms.cpu import CpuPlatform
 from nanoengine.platforms.cpu import linear as linear_module
@@ -157,8 +159,9 @@ def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops)
 
 @pytest.fixture(scope="module")
 def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
-    """A tiny Qwen2 (biases on q, k and v) and a copy whose linear weights are its int8 quantization dequantized:
-    what quantization='int8' multiplies by, in float32."""
+    """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and a copy whose linear weights are
+    their int8 quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
+    multiplies by, in float32."""
     original = tmp_path_factory.mktemp("int8-qwen2")
     build_tiny_model("qwen2", original, smollm2_dir, initializer_range=0.5)
     dequantized = shutil.copytree(original, original.with_name("int8-qwen2-dequantized"))
@@ -166,7 +169,10 @@ def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
     for name, weight in weights.items():
         if name.endswith(".weight") and name.split(".")[-2] in HF_LINEARS:
             weights[name] = dequantize(*quantize_int8(weight))
+    weights["lm_head.weight"] = dequantize(*quantize_int8(weights["model.embed_tokens.weight"]))
     save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dequantized / "config.json").read_text())
+    (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
     return {"original": str(original), "dequantized": str(dequantized)}
 
 
@@ -180,7 +186,7 @@ def run(folder: str, prompts=PROMPTS, **options) -> tuple[list[list[int]], list[
 def test_int8_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog):
     with caplog.at_level(logging.INFO, logger="nanoengine.platforms.cpu.quantize"):
         tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization="int8")
-    assert "int8 weights: the linear layers' 8 weights take" in caplog.text
+    assert "int8 weights: the linear layers' and LM head's 9 weights take" in caplog.text
     expected_tokens, expected_logprobs = run(qwen2_dirs["dequantized"], dtype="float32")
     assert tokens == expected_tokens
     for row, expected in zip(logprobs, expected_logprobs):
@@ -233,15 +239,18 @@ def test_the_command_line_takes_quantization(sharp_tiny_model):
     assert parser.parse_args(["--model", "m"]).quantization is None
 
 
-def test_quantizing_halves_the_linear_layers_and_keeps_the_lm_head_and_embeddings(sharp_tiny_model):
-    with LLM(sharp_tiny_model[0], dtype="bfloat16", **ENGINE) as llm:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the LM head of its own, tied to the embeddings
+def test_quantizing_halves_the_linear_layers_and_lm_head_and_keeps_the_embeddings(tmp_path, smollm2_dir, arch):
+    build_tiny_model(arch, tmp_path, smollm2_dir)
+    with LLM(str(tmp_path), dtype="bfloat16", **ENGINE) as llm:
         model = llm.llm_engine.model_executor.runner.model
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    linears = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    assert len(linears) == 2 * 4 + 1
     before = sum(m.weight.nbytes for m in linears)
     quantize_linear_layers(model)
     assert all(m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32 for m in linears)
     assert sum(m.weight.nbytes for m in linears) == before // 2
-    assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.slow
