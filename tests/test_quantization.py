@@ -189,8 +189,8 @@ def test_int8_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2
     assert "int8 weights: the linear layers' and LM head's 9 weights take" in caplog.text
     expected_tokens, expected_logprobs = run(qwen2_dirs["dequantized"], dtype="float32")
     assert tokens == expected_tokens
-    for row, expected in zip(logprobs, expected_logprobs):
-        assert row == pytest.approx(expected, abs=1e-3)
+    for row, expected in zip(logprobs, expected_logprobs):  # they differ by up to 4e-5 here
+        assert row == pytest.approx(expected, abs=2e-4)
 
 
 def test_int8_weights_agree_with_bfloat16_where_bfloat16_is_sure(sharp_tiny_model):

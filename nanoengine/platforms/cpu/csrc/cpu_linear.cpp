@@ -6,7 +6,8 @@
 // of the inputs: a pair of inputs (k, k+1) in bfloat16 (64 bytes), which `vdpbf16ps` (AVX512-BF16) multiplies by
 // a broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), one input k in float32 (64 bytes), which an
 // FMA multiplies by a broadcast x, or one input k in int8 (16 bytes), widened to float32 in registers and met by
-// x in float32 (W8A16, docs/quantization.md). The layout is [N/16, K/step, 16, step]. Each task computes V blocks
+// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs). The layout is
+// [N/16, K/step, 16, step]. Each task computes V blocks
 // of 16 outputs for every row, 8 rows at a time; a block's weight stays in L2 between row chunks. The sums are
 // float32 (an int8 weight's times its output's scale at the end), then the bias is added and each output rounded
 // once to the output's dtype (to nearest, ties to even, as torch's matmul rounds). Built with the attention
