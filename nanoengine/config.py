@@ -10,7 +10,7 @@ from nanoengine.distributed import ENV_VARIABLES, divide, env_rank
 from nanoengine.sampling_params import check_number, check_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("int8",)  # the linear layers' weights in int8 on the CPU (docs/quantization.md), or None
+QUANTIZATIONS = ("int8",)  # the linear layers' and LM head's weights in int8 on the CPU (docs/quantization.md)
 POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("xxhash", "sha256")  # the prefix cache's block hash (engine/block_manager.py)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -29,7 +29,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"  # "auto" = the checkpoint's dtype
-    quantization: str | None = None  # "int8": the linear layers' weights quantized at load (the CPU only)
+    quantization: str | None = None  # "int8": the linear layers' and LM head's weights quantized at load (CPU)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int | None = None  # None = 256, or max_num_batched_tokens when that is lower (as vLLM)
