@@ -1,7 +1,7 @@
 """Benchmarks for nanoengine: offline throughput, prefix-cache TTFT, chunked-prefill latency, speculation.
 
     python bench.py --preset gpu [--model DIR] [--compare hf] [--json]
-    python bench.py --preset cpu [--compare hf,vllm] [--dtype bfloat16] [--rounds N]
+    python bench.py --preset cpu [--compare hf,vllm] [--dtype bfloat16] [--quantization int8] [--rounds N]
     python bench.py --preset prefix [--small]
     python bench.py --preset chunked [--small]
     python bench.py --preset structured
@@ -78,7 +78,7 @@ def throughput_preset(args) -> dict:
     if "llamacpp" in args.compare:  # llama.cpp runs its own workload: llama-batched-bench's
         return compare_llamacpp(model_for(args), workload.dtype)
     return run_throughput(args.preset, workload, model_for(args), args.compare, args.rounds,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, quantization=args.quantization)
 
 
 def run_throughput(preset: str, workload: Workload, model: str, peers: set[str], rounds: int = 1,
@@ -226,6 +226,8 @@ def parse_args(argv=None):
                         help="hf, vllm or hf,vllm: also run transformers and/or vLLM on the same requests; "
                              "llamacpp: llama.cpp and ours on llama-batched-bench's workload")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
+    parser.add_argument("--quantization", choices=["int8"],
+                        help="gpu/cpu: our engine's weights in int8 (docs/quantization.md; the peers' stay in dtype)")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--num-prompts", type=int, help="serve: how many requests per load (default: per load)")

@@ -10,6 +10,7 @@ from nanoengine.distributed import ENV_VARIABLES, divide, env_rank
 from nanoengine.sampling_params import check_number, check_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("int8",)  # the linear layers' and LM head's weights in int8 on the CPU (docs/quantization.md)
 POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("xxhash", "sha256")  # the prefix cache's block hash (engine/block_manager.py)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -28,6 +29,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"  # "auto" = the checkpoint's dtype
+    quantization: str | None = None  # "int8": the linear layers' and LM head's weights quantized at load (CPU)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int | None = None  # None = 256, or max_num_batched_tokens when that is lower (as vLLM)
@@ -112,6 +114,7 @@ class EngineConfig:
         self.check_tensor_parallel()
         self.check_data_parallel()
         self.speculative = None if self.speculative_config is None else SpeculativeConfig.of(self.speculative_config)
+        check_quantization(self.quantization, self.device, self.attention_backend)
 
     def default_sampling_params(self) -> dict:
         """The sampling fields that generation_config.json sets, with max_new_tokens named max_tokens."""
@@ -266,6 +269,15 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         return cls(**values)
+
+
+def check_quantization(name: str | None, device: str, attention_backend: str) -> None:
+    """int8 weights are the CPU extension's (whether this CPU can multiply them shows at load)."""
+    if name is not None and name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {name!r}")
+    if name is not None and (device != "cpu" or attention_backend != "cpu"):
+        raise ValueError(f"quantization={name!r} runs on the CPU with attention_backend='cpu' (its C++ kernels "
+                         f"multiply the int8 weights), got device={device!r}, attention_backend={attention_backend!r}")
 
 
 def resolve_backend(name: str, device: str) -> str:

@@ -74,12 +74,13 @@ def test_weights_widened_to_float32_give_f_linear_in_float32_narrowed(dtype, row
 def test_measured_choice_is_cached_per_machine_and_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
     chosen = {"40x96 float32": ["torch", "onednn", "onednn", "onednn"], "8x40 float32": ["torch"] * 4}
-    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops: chosen[linear_module.shape_key(weight)])
+    monkeypatch.setattr(linear_module, "fastest_at",
+                        lambda weight, cpu_ops, x_dtype: chosen[linear_module.shape_key(weight, x_dtype)])
     model = TwoLinears(torch.float32)
     choose_linear_kernels(model)
     assert model.first.kernel_choice.used_at == ("torch", "onednn", "onednn", "onednn")
     assert model.second.kernel_choice is None
-    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops: pytest.fail("timed again"))
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops, x_dtype: pytest.fail("timed again"))
     again = TwoLinears(torch.float32)
     choose_linear_kernels(again)
     assert again.first.kernel_choice.used_at == ("torch", "onednn", "onednn", "onednn")
@@ -96,7 +97,7 @@ def test_an_older_cache_entry_is_timed_again(monkeypatch, tmp_path):
     machine = linear_module.machine_key()
     old = {"40x96 float32": [False, True, True], "8x40 float32": ["torch", "float32", "torch", "torch"]}
     (tmp_path / "linear-kernels.json").write_text(json.dumps({machine: old}))
-    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops: ["onednn"] * 4)
+    monkeypatch.setattr(linear_module, "fastest_at", lambda weight, cpu_ops, x_dtype: ["onednn"] * 4)
     choose_linear_kernels(model)
     assert model.first.kernel_choice.used_at == model.second.kernel_choice.used_at == ("onednn",) * 4
 
@@ -294,7 +295,7 @@ def test_the_linear_kernel_gives_the_exact_product_rounded_once(cpu_ops, dtype, 
     x = torch.randn(rows, in_features, dtype=dtype)
     for bias in (None, torch.randn(out_features, dtype=dtype)):
         out = torch.full((rows, out_features), float("nan"), dtype=dtype)
-        linear_ops.linear(x, linear_module.pack_steps(weight), bias, out)
+        linear_ops.linear(x, linear_module.pack_steps(weight), None, bias, out)
         assert_rounded_exact_product(out, x, weight, bias)
 
 
@@ -307,10 +308,10 @@ def test_the_linear_kernel_cuts_an_x_larger_than_l2_into_panels_that_change_no_b
     weight, bias = torch.randn(112, 576, dtype=dtype), torch.randn(112, dtype=dtype)
     x, packed = torch.randn(1601, 576, dtype=dtype), linear_module.pack_steps(weight)
     out = torch.full((1601, 112), float("nan"), dtype=dtype)
-    linear_ops.linear(x, packed, bias, out)
+    linear_ops.linear(x, packed, None, bias, out)
     for first in range(0, 1601, 33):
         rows = torch.full((min(33, 1601 - first), 112), float("nan"), dtype=dtype)
-        linear_ops.linear(x[first:first + 33], packed, bias, rows)
+        linear_ops.linear(x[first:first + 33], packed, None, bias, rows)
         assert torch.equal(out[first:first + 33], rows)
     assert_rounded_exact_product(out[::50], x[::50], weight, bias)
 
@@ -345,4 +346,4 @@ def test_the_linear_kernel_refuses_what_it_cannot_read(cpu_ops):
                     (torch.randn(3, 16)[:, ::2], out), (torch.randn(3, 8), torch.empty(3, 16)),
                     (torch.randn(3, 8, dtype=torch.float16), out.half())):
         with pytest.raises(RuntimeError, match="linear"):
-            linear_ops.linear(x, packed, None, into)
+            linear_ops.linear(x, packed, None, None, into)

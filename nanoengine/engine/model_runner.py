@@ -89,7 +89,7 @@ class ModelRunner:
         self.device = rank_device(config.device, rank, config.tensor_parallel_size, config.ranks_per_node)
         self.block_size = config.kvcache_block_size
         # What the device adds to the plain model: on the CPU, its C++ kernels (platforms/cpu/).
-        self.platform = platform_for(self.device, config.attention_backend)
+        self.platform = platform_for(self.device, config.attention_backend, config.quantization)
         self.backend = self.platform.attention_backend(config.attention_backend)
         self.model = self.build_model()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)

@@ -31,9 +31,10 @@ class Platform:
         return logits.argmax(dim=-1)
 
 
-def platform_for(device: torch.device, attention_backend: str) -> Platform:
+def platform_for(device: torch.device, attention_backend: str, quantization: str | None = None) -> Platform:
+    """``quantization``: EngineConfig's, which it allows on the CPU only."""
     if device.type != "cpu":
         return Platform()
     from nanoengine.platforms.cpu import CpuPlatform
 
-    return CpuPlatform(attention_backend)
+    return CpuPlatform(attention_backend, quantization)

@@ -4,6 +4,7 @@
 - build.py      the one C++ extension (csrc/), built for this machine on first use
 - attention.py  the ``cpu`` attention backend: the C++ decode and prefill kernels
 - linear.py     per weight shape and row count, the fastest matmul kernel, measured once and cached
+- quantize.py   int8 weights (quantization="int8"), quantized at load
 - ops.py        RMSNorm, SiLU-and-mul, rotary and argmax as C++ kernels, in place of the layers' torch forwards
 - one_call.py   the decoder layers in one C++ call: the CPU's counterpart of CUDA graphs
 
@@ -24,18 +25,26 @@ from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import use_linear_kernels
 from nanoengine.platforms.cpu.memory import keep_freed_memory
 from nanoengine.platforms.cpu.one_call import LayersInOneCall
+from nanoengine.platforms.cpu.quantize import quantize_linear_layers
 
 
 class CpuPlatform(Platform):
-    def __init__(self, attention_backend: str):
+    def __init__(self, attention_backend: str, quantization: str | None = None):
         keep_freed_memory()
         # The C++ extension comes with the cpu attention backend (the torch and triton backends run without it).
         self.kernels = load_cpu_kernels() if attention_backend == "cpu" else None
+        self.quantization = quantization
+        if quantization is not None and (self.kernels is None or quantization not in self.kernels.linear_dtypes()):
+            raise ValueError(f"quantization={quantization!r}: this machine's CPU kernels cannot multiply "
+                             f"{quantization} weights (they need AVX-512 and a C++ compiler: see the warning above); "
+                             "leave quantization unset")
 
     def attention_backend(self, name: str):
         return CpuBackend(self.kernels) if name == "cpu" else load_backend(name)
 
     def prepare_model(self, model: nn.Module) -> None:
+        if self.quantization == "int8":
+            quantize_linear_layers(model)
         use_linear_kernels(model, self.kernels)
         if self.kernels is not None:
             ops.use_small_op_kernels(model, self.kernels)

@@ -31,10 +31,11 @@ logger = logging.getLogger(__name__)
 # by measurement: for each weight shape and row-count bucket, the fastest. oneDNN wants the weight in its own blocked
 # layout, made once. torch exposes this pair of ops only privately (its compiler uses them), so both calls are kept to
 # this file. At a decode's few rows a layer's time is reading its weight, which oneDNN does at about half the memory's
-# speed: our own AVX-512 kernel (cpu_linear.cpp, float32 and bfloat16, in a layout of its own) is the fourth
-# candidate.
+# speed: our own AVX-512 kernel (cpu_linear.cpp, float32, bfloat16 and int8, in a layout of its own) is the fourth
+# candidate. An int8 weight (quantize.py) takes our kernel, or is dequantized into the float32 scratch buffer
+# ("float32"), or, as the oracle, into a new one ("torch").
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-WIDENED_DTYPES = (torch.bfloat16, torch.float16)
+WIDENED_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
 ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows takes the kernel timed at these rows
 # F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
@@ -52,6 +53,7 @@ class KernelChoice:
     scratch: torch.Tensor | None = None  # float32, at least the weight's size (shared by the model's layers)
     steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "avx512"
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
+    scale: torch.Tensor | None = None  # an int8 weight's float32 scale per output (quantize.py)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,12 +66,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
     if kernel == "avx512":
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-        choice.cpu_ops.linear(rows.contiguous(), choice.steps, bias, out)
+        choice.cpu_ops.linear(rows.contiguous(), choice.steps, choice.scale, bias, out)
         return out.view(*x.shape[:-1], weight.shape[0])
-    if kernel == "float32":
-        wide = choice.scratch[:weight.numel()].view(weight.shape).copy_(weight)
+    if kernel == "float32" or choice.scale is not None:  # an int8 weight's "torch" too: the oracle's math
+        wide = choice.scratch[:weight.numel()].view(weight.shape) if kernel == "float32" else None
+        wide = widened(weight, choice.scale, wide)
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def widened(weight: torch.Tensor, scale: torch.Tensor | None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` in float32, in ``into`` or a new tensor; an int8 weight dequantized (times its ``scale``)."""
+    wide = (torch.empty(weight.shape) if into is None else into).copy_(weight)
+    return wide if scale is None else wide.mul_(scale.unsqueeze(1))
 
 
 def bucket_of(num_rows: int) -> int:
@@ -93,8 +102,8 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_steps(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's 64-byte loads in the order it
-    reads them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32."""
+    """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's loads in the order it reads
+    them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32 or int8."""
     step = inputs_per_step(weight.dtype)
     out_features, in_features = weight.shape
     return weight.detach().view(out_features // 16, 16, in_features // step, step).transpose(1, 2).contiguous()
@@ -124,25 +133,28 @@ def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: Modul
     if kernel not in CHOICES:
         raise ValueError(f"kernel must be one of {CHOICES}, got {kernel!r}")
     layers = [m for m in model.modules() if hasattr(m, "kernel_choice") and len(kernels_for(m.weight, cpu_ops)) > 1]
+    x_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # int8 weights' x: the model's
     if kernel != "auto":
-        choices = {shape_key(m.weight): (kernel if kernel in kernels_for(m.weight, cpu_ops) else "torch",)
+        choices = {shape_key(m.weight, x_dtype): (kernel if kernel in kernels_for(m.weight, cpu_ops) else "torch",)
                    * len(ROW_BUCKETS) for m in layers}
     else:
-        choices = measured_choices({shape_key(m.weight): m.weight for m in layers}, cpu_ops)
-    widened = [m.weight.numel() for m in layers if "float32" in choices[shape_key(m.weight)]]
-    scratch = torch.empty(max(widened), dtype=torch.float32) if widened else None
+        choices = measured_choices({shape_key(m.weight, x_dtype): m.weight for m in layers}, cpu_ops, x_dtype)
+    widened_sizes = [m.weight.numel() for m in layers if "float32" in choices[shape_key(m.weight, x_dtype)]]
+    scratch = torch.empty(max(widened_sizes), dtype=torch.float32) if widened_sizes else None
     for module in layers:
-        used_at = choices[shape_key(module.weight)]
-        module.kernel_choice = None if set(used_at) == {"torch"} else KernelChoice(
+        used_at, scale = choices[shape_key(module.weight, x_dtype)], getattr(module, "weight_scale", None)
+        module.kernel_choice = None if set(used_at) == {"torch"} and scale is None else KernelChoice(
             used_at, pack_for_onednn(module.weight) if "onednn" in used_at else None, scratch,
-            pack_steps(module.weight) if "avx512" in used_at else None, cpu_ops)
+            pack_steps(module.weight) if "avx512" in used_at else None, cpu_ops, scale)
 
 
-def shape_key(weight: torch.Tensor) -> str:
-    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
+def shape_key(weight: torch.Tensor, x_dtype: torch.dtype) -> str:
+    key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
+    return f"{key} x {str(x_dtype).removeprefix('torch.')}" if weight.dtype == torch.int8 else key
 
 
-def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | None) -> dict[str, tuple[str, ...]]:
+def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | None,
+                     x_dtype: torch.dtype) -> dict[str, tuple[str, ...]]:
     """Per shape, the fastest kernel at each row bucket; shapes this machine has not timed yet are timed now
     (the log says how long it took) and added to the cache file. Delete the file to time again (figures
     taken while other work loads the machine can pick the wrong kernel)."""
@@ -154,7 +166,7 @@ def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | Non
     missing = {key: weight for key, weight in weights.items()
                if not (isinstance(known.get(key), list) and len(known[key]) == len(ROW_BUCKETS)
                        and set(known[key]) <= set(kernels_for(weight, cpu_ops)))}
-    known.update({key: fastest_at(weight, cpu_ops) for key, weight in missing.items()})
+    known.update({key: fastest_at(weight, cpu_ops, x_dtype) for key, weight in missing.items()})
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -175,14 +187,17 @@ def machine_key() -> str:
             f"cpu_linear.cpp {code}")
 
 
-def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, rounds: int = 5) -> list[str]:
-    """The fastest kernel for this weight at each bucket's row count: each kernel's best of ``rounds`` calls,
-    the kernels taking turns, so that a burst of other work on the machine weighs on all of them alike (timed
-    one after another, a burst once made MKL's AVX2 kernel win a shape where oneDNN is twice as fast)."""
-    candidates = {kernel: only_kernel(weight, kernel, cpu_ops) for kernel in kernels_for(weight, cpu_ops)}
+def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, x_dtype: torch.dtype | None = None,
+               rounds: int = 5) -> list[str]:
+    """The fastest kernel for this weight (times x of ``x_dtype``, by default the weight's) at each bucket's row
+    count: each kernel's best of ``rounds`` calls, the kernels taking turns, so that a burst of other work on the
+    machine weighs on all of them alike (timed one after another, a burst once made MKL's AVX2 kernel win a shape
+    where oneDNN is twice as fast)."""
+    scale = torch.ones(weight.shape[0]) if weight.dtype == torch.int8 else None
+    candidates = {kernel: only_kernel(weight, kernel, cpu_ops, scale) for kernel in kernels_for(weight, cpu_ops)}
     fastest = []
     for rows in ROW_BUCKETS:
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        x = torch.randn(rows, weight.shape[1], dtype=x_dtype or weight.dtype)
         best = dict.fromkeys(candidates, float("inf"))
         for round_number in range(rounds + 1):
             for kernel, choice in candidates.items():
@@ -194,11 +209,12 @@ def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, rounds: 
     return fastest
 
 
-def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = None) -> KernelChoice:
-    """``kernel`` for this weight at every row count, with what it needs."""
+def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = None,
+                scale: torch.Tensor | None = None) -> KernelChoice:
+    """``kernel`` for this weight (an int8 one with its ``scale``) at every row count, with what it needs."""
     return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
                         torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None,
-                        pack_steps(weight) if kernel == "avx512" else None, cpu_ops)
+                        pack_steps(weight) if kernel == "avx512" else None, cpu_ops, scale)
 
 
 def use_linear_kernels(model: nn.Module, cpu_ops: ModuleType | None) -> None:

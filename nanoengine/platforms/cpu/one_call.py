@@ -60,10 +60,12 @@ class LayersInOneCall:
 
 
 def layer_weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
-    """A layer's weights in cpu_decoder.cpp's order (the linear layers' packed for cpu_linear.cpp)."""
+    """A layer's weights in cpu_decoder.cpp's order (the linear layers' packed for cpu_linear.cpp, with their
+    scales where they are int8)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = (None if norm is None else norm.weight for norm in (attention.q_norm, attention.k_norm))
-    qkv, o, gate_up, down = (getattr(m.kernel_choice, "steps", None) for m in (
-        attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    return [layer.input_layernorm.weight, qkv, attention.qkv_proj.bias, q_norm, k_norm, o, attention.o_proj.bias,
-            layer.post_attention_layernorm.weight, gate_up, down]
+    (qkv, qkv_scale), (o, o_scale), (gate_up, gate_up_scale), (down, down_scale) = (
+        (getattr(m.kernel_choice, "steps", None), getattr(m.kernel_choice, "scale", None))
+        for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    return [layer.input_layernorm.weight, qkv, qkv_scale, attention.qkv_proj.bias, q_norm, k_norm, o, o_scale,
+            attention.o_proj.bias, layer.post_attention_layernorm.weight, gate_up, gate_up_scale, down, down_scale]

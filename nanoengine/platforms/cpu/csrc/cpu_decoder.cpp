@@ -10,13 +10,18 @@
 
 namespace {
 
-// Each layer's entries in ``weights``, in this order; an absent bias or norm is None.
-enum Weight { kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kPostNorm, kGateUp, kDown, kPerLayer };
+// Each layer's entries in ``weights``, in this order; an absent bias or norm is None, and so is the scale of a
+// weight that is not int8.
+enum Weight {
+  kInputNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOBias, kPostNorm, kGateUp, kGateUpScale,
+  kDown, kDownScale, kPerLayer
+};
 
-// x W^T (+ b) with W packed for cpu_linear.cpp: [N/16, K/step, 16, step].
-at::Tensor linear_of(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+// x W^T (+ b) with W packed for cpu_linear.cpp ([N/16, K/step, 16, step]) and, where W is int8, its scale.
+at::Tensor linear_of(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& bias) {
   at::Tensor out = at::empty({x.size(0), 16 * packed.size(0)}, x.options());
-  linear(x, packed, bias, out);
+  linear(x, packed, scale, bias, out);
   return out;
 }
 
@@ -39,7 +44,7 @@ at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, co
                      const at::Tensor& v_cache, const Step& step) {
   const int64_t tokens = x.size(0), head_dim = k_cache.size(-1);
   const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
-  const at::Tensor qkv = linear_of(x, *w[kQkv], w[kQkvBias]);
+  const at::Tensor qkv = linear_of(x, *w[kQkv], w[kQkvScale], w[kQkvBias]);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, step.num_heads, head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, step.num_kv_heads, head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, step.num_kv_heads, head_dim});
@@ -54,15 +59,15 @@ at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, co
   const std::vector<at::Tensor>&d = step.decodes, &p = step.prompts;
   if (!d.empty()) decode_attention(q, k_cache, v_cache, d[0], d[1], d[2], step.scale, attended);
   if (!p.empty()) prefill_attention(q, k_cache, v_cache, p[0], p[1], p[2], p[3], step.scale, attended);
-  return linear_of(attended.view({tokens, q_size}), *w[kO], w[kOBias]);
+  return linear_of(attended.view({tokens, q_size}), *w[kO], w[kOScale], w[kOBias]);
 }
 
 // DecoderMLP.forward.
 at::Tensor mlp(const at::Tensor& x, const c10::optional<at::Tensor>* w) {
-  const at::Tensor gate_up = linear_of(x, *w[kGateUp], c10::nullopt);
+  const at::Tensor gate_up = linear_of(x, *w[kGateUp], w[kGateUpScale], c10::nullopt);
   const at::Tensor activated = at::empty({x.size(0), gate_up.size(1) / 2}, gate_up.options());
   silu_and_mul(gate_up, activated);
-  return linear_of(activated, *w[kDown], c10::nullopt);
+  return linear_of(activated, *w[kDown], w[kDownScale], c10::nullopt);
 }
 
 void check_weights(const std::vector<c10::optional<at::Tensor>>& weights, size_t num_layers) {

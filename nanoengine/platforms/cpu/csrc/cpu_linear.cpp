@@ -2,19 +2,22 @@
 // layer's time is reading its weight, and oneDNN reads it at about half the memory's speed there; this kernel
 // reads the weight in long streams, each byte once per 8 rows, and keeps 24 sums in registers.
 //
-// The weight is packed once (platforms/cpu/linear.py) so that one 64-byte load holds 16 outputs' weights for one step
-// of the inputs: a pair of inputs (k, k+1) in bfloat16, which `vdpbf16ps` (AVX512-BF16) multiplies by a
-// broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), or one input k in float32, which an FMA
-// multiplies by a broadcast x. The layout is
-// [N/16, K/step, 16, step]. Each task computes V blocks of 16 outputs for every row, 8 rows at a time; a block's
-// weight stays in L2 between row chunks. The sums are float32, rounded once to the output's dtype (to nearest,
-// ties to even, as torch's matmul rounds). Built with the attention kernels by build.py;
-// tested in tests/test_layers.py.
+// The weight is packed once (platforms/cpu/linear.py) so that one load holds 16 outputs' weights for one step
+// of the inputs: a pair of inputs (k, k+1) in bfloat16 (64 bytes), which `vdpbf16ps` (AVX512-BF16) multiplies by
+// a broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), one input k in float32 (64 bytes), which an
+// FMA multiplies by a broadcast x, or one input k in int8 (16 bytes), widened to float32 in registers and met by
+// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs). The layout is
+// [N/16, K/step, 16, step]. Each task computes V blocks
+// of 16 outputs for every row, 8 rows at a time; a block's weight stays in L2 between row chunks. The sums are
+// float32 (an int8 weight's times its output's scale at the end), then the bias is added and each output rounded
+// once to the output's dtype (to nearest, ties to even, as torch's matmul rounds). Built with the attention
+// kernels by build.py; tested in tests/test_layers.py and tests/test_quantization.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -28,20 +31,34 @@ constexpr int kAccumulators = 24;      // of the 32 registers: rows x blocks a t
 constexpr int kRowsPerChunk = 8;       // rows a tile holds, at most
 constexpr int64_t kSplitBytes = 1 << 20;  // an x above this (a core's L2 here) is cut into panels
 constexpr int64_t kPanelBytes = 64 << 10;
-// How far ahead (in steps) each of a tile's weight streams asks for its next lines: a tile of 6-8 streams (up to
-// 4 rows) asks for 6-8 lines a step, and 16 steps reach far enough; fewer streams (5 rows and more) ask for
-// fewer lines a step, and need 32.
-constexpr int prefetch_steps(int streams) { return streams >= 6 ? 16 : 32; }
+// How far ahead (in 64-byte lines) each of a tile's weight streams asks for its next lines: a tile of 6-8 streams
+// (up to 4 rows) asks for 6-8 lines a step, and 16 lines reach far enough; fewer streams (5 rows and more) ask
+// for fewer lines a step, and need 32.
+constexpr int prefetch_lines(int streams) { return streams >= 6 ? 16 : 32; }
 
-// One step of the inputs: its weights for 16 outputs are one 64-byte load, its x one 32-bit broadcast.
+// One step of the inputs: its weights for 16 outputs are one load, its x one 32-bit broadcast (float32 and
+// bfloat16 with AVX512-BF16) or ``inputs`` float32 broadcasts (the widened weights: see kWidens).
 template <typename T>
 struct Step;
 
+// int8 (W8A16): 16 outputs' weights of one input are 16 bytes, sign-extended to 32 bits and converted to float32
+// in registers (vpmovsxbd, vcvtdq2ps), once per step of a tile and shared by its rows.
+template <>
+struct Step<int8_t> {
+  static constexpr int inputs = 1;
+  static void widen(const int8_t* w, __m512* out) {
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  }
+};
+
+// The steps that multiply x as it is: ``load`` a step's weights once per step of a tile, ``multiply_add`` them
+// with each row's broadcast x.
 template <>
 struct Step<float> {
   static constexpr int inputs = 1;
-  static __m512 multiply_add(__m512 sums, __m512i x, const float* w) {
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_loadu_ps(w), sums);
+  static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
+  static __m512 multiply_add(__m512 sums, __m512i x, __m512 w) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), w, sums);
   }
 };
 
@@ -49,12 +66,30 @@ struct Step<float> {
 template <>
 struct Step<at::BFloat16> {
   static constexpr int inputs = 2;
-  static __m512 multiply_add(__m512 sums, __m512i x, const at::BFloat16* w) {
-    return _mm512_dpbf16_ps(sums, as_pairs(x), load_pairs(w));
+  static __m512bh load(const at::BFloat16* w) { return load_pairs(w); }
+  static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
+};
+
+// An int8 weight times bfloat16 x where the CPU has AVX512-BF16: the int8 layout read two inputs a step (input k's
+// 16 bytes, then input k + 1's), both widened to float32 and made the bfloat16 pairs that `vdpbf16ps` multiplies
+// by a broadcast pair of x: an integer of at most 8 bits is exact in bfloat16 (its float32's low 16 bits are
+// zero), so each product is exact in float32, as in the FMAs, at twice their rate.
+struct Int8Pairs {
+  int8_t value;
+};
+template <>
+struct Step<Int8Pairs> {
+  static constexpr int inputs = 2;
+  static __m512bh load(const Int8Pairs* w) {
+    const __m128i* bytes = reinterpret_cast<const __m128i*>(w);
+    const __m512i first = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes))));
+    const __m512i second = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1))));
+    return as_pairs(_mm512_or_si512(_mm512_srli_epi32(first, 16), second));
   }
+  static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
 };
 template <typename T>
-constexpr bool kWidens = false;
+constexpr bool kWidens = std::is_same_v<T, int8_t>;
 #else
 // bfloat16 on a CPU without AVX512-BF16: each 64-byte load of weight pairs is widened to float32 once per step
 // of a tile, input k's weights by a shift (the low halves) and input k + 1's by a mask (the high halves), and
@@ -63,74 +98,97 @@ constexpr bool kWidens = false;
 template <>
 struct Step<at::BFloat16> {
   static constexpr int inputs = 2;
+  static void widen(const at::BFloat16* w, __m512* out) {
+    const __m512i pairs = _mm512_loadu_si512(w);
+    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    out[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))));
+  }
 };
 template <typename T>
-constexpr bool kWidens = std::is_same_v<T, at::BFloat16>;
+constexpr bool kWidens = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, int8_t>;
 #endif
 
-template <typename T>
-using Input = std::conditional_t<kWidens<T>, float, T>;  // what x is read as
+template <typename W>
+struct InputOf {
+  using type = std::conditional_t<kWidens<W>, float, W>;
+};
+#if defined(__AVX512BF16__)
+template <>
+struct InputOf<Int8Pairs> {
+  using type = at::BFloat16;
+};
+#endif
+template <typename W>
+using Input = typename InputOf<W>::type;  // what x is read as
 
-template <typename T>
-constexpr int64_t kBlockStep = kLanes * Step<T>::inputs;  // elements of one step of one block
+template <typename W>
+constexpr int64_t kBlockStep = kLanes * Step<W>::inputs;  // elements of one step of one block
 
-template <typename T>
+template <typename W>
+constexpr bool kScaled = sizeof(W) == 1;  // int8: the sums times the output's scale
+
+// W: the packed weight's type; T: the bias's and the output's (an int8 weight's x, bias and out are float32,
+// bfloat16 or float16; any other weight's are of its own type).
+template <typename W, typename T = W>
 struct Operands {
-  const Input<T>* x;  // [M, K]
-  const T* packed;    // [N/16, K/step, 16, step]
-  const T* bias;      // [N] or null
-  T* out;             // [M, N]
+  const Input<W>* x;   // [M, K]
+  const W* packed;     // [N/16, K/step, 16, step]
+  const float* scale;  // [N] for an int8 weight, else null
+  const T* bias;       // [N] or null
+  T* out;              // [M, N]
   int64_t rows, steps, outputs;
 };
 
 // Rows [row, row + R) times packed blocks [block, block + V). At each step, each block's stream asks for the
 // weight ``ahead`` elements further on.
-template <typename T, int R, int V>
-void tile(const Operands<T>& op, int64_t row, int64_t block, int64_t ahead) {
+template <typename W, typename T, int R, int V>
+void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
   __m512 sums[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) sums[r][v] = _mm512_setzero_ps();
-  const T* streams[V];
-  for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<T>;
+  const W* streams[V];
+  for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<W>;
   for (int64_t s = 0; s < op.steps; ++s) {
     for (int v = 0; v < V; ++v)  // into L2, as prefetch_block does
-      __builtin_prefetch(streams[v] + s * kBlockStep<T> + ahead, 0, 2);
-    if constexpr (kWidens<T>) {
-      __m512 first[V], second[V];
-      for (int v = 0; v < V; ++v) {
-        const __m512i pairs = _mm512_loadu_si512(streams[v] + s * kBlockStep<T>);
-        first[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        second[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))));
-      }
-      const float* x = op.x + (row * op.steps + s) * 2;  // row r's pair: x[2 r steps], x[2 r steps + 1]
-      for (int r = 0; r < R; ++r) {
-        const __m512 x_first = _mm512_set1_ps(x[2 * r * op.steps]), x_second = _mm512_set1_ps(x[2 * r * op.steps + 1]);
-        for (int v = 0; v < V; ++v)
-          sums[r][v] = _mm512_fmadd_ps(x_second, second[v], _mm512_fmadd_ps(x_first, first[v], sums[r][v]));
-      }
+      __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);
+    if constexpr (kWidens<W>) {
+      constexpr int inputs = Step<W>::inputs;
+      __m512 wide[V][inputs];
+      for (int v = 0; v < V; ++v) Step<W>::widen(streams[v] + s * kBlockStep<W>, wide[v]);
+      const float* x = op.x + (row * op.steps + s) * inputs;  // row r's inputs: x[r inputs steps + i]
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < inputs; ++i) {
+          const __m512 broadcast = _mm512_set1_ps(x[(r * op.steps) * inputs + i]);
+          for (int v = 0; v < V; ++v) sums[r][v] = _mm512_fmadd_ps(broadcast, wide[v][i], sums[r][v]);
+        }
     } else {
+      decltype(Step<W>::load(streams[0])) weights[V];
+      for (int v = 0; v < V; ++v) weights[v] = Step<W>::load(streams[v] + s * kBlockStep<W>);
       const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + row * op.steps;  // one int32 = one step of x
       for (int r = 0; r < R; ++r) {
         const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
-        for (int v = 0; v < V; ++v)
-          sums[r][v] = Step<T>::multiply_add(sums[r][v], broadcast, streams[v] + s * kBlockStep<T>);
+        for (int v = 0; v < V; ++v) sums[r][v] = Step<W>::multiply_add(sums[r][v], broadcast, weights[v]);
       }
     }
   }
   for (int v = 0; v < V; ++v) {
     const int64_t column = (block + v) * kLanes;
     const __m512 bias = op.bias ? load16(op.bias + column) : _mm512_setzero_ps();
+    if constexpr (kScaled<W>) {
+      const __m512 scale = _mm512_loadu_ps(op.scale + column);
+      for (int r = 0; r < R; ++r) sums[r][v] = _mm512_mul_ps(sums[r][v], scale);
+    }
     for (int r = 0; r < R; ++r) store16(op.out + (row + r) * op.outputs + column, _mm512_add_ps(sums[r][v], bias));
   }
 }
 
 // The last rows (fewer than a chunk) as one tile of exactly that many (only those that fit in registers are
 // built: run<V> never leaves more rows than that).
-template <typename T, int V, int R = 1>
-void last_rows(const Operands<T>& op, int64_t row, int64_t block, int64_t count, int64_t ahead) {
+template <typename W, typename T, int V, int R = 1>
+void last_rows(const Operands<W, T>& op, int64_t row, int64_t block, int64_t count, int64_t ahead) {
   if constexpr (R < kRowsPerChunk && R * V <= kAccumulators) {
-    if (count == R) return tile<T, R, V>(op, row, block, ahead);
-    last_rows<T, V, R + 1>(op, row, block, count, ahead);
+    if (count == R) return tile<W, T, R, V>(op, row, block, ahead);
+    last_rows<W, T, V, R + 1>(op, row, block, count, ahead);
   }
 }
 
@@ -138,37 +196,37 @@ void last_rows(const Operands<T>& op, int64_t row, int64_t block, int64_t count,
 // chunk (a whole one, or the last rows) finds it in L2 and asks for the next tile's instead (the same step of the
 // block V on), where a whole next tile follows and both tiles' weights fit in kSplitBytes (a core's L2 here): the
 // next tile's first chunk then finds its weight in L2 too (docs/cpu.md has the gain at 16 and 32 rows).
-template <typename T, int V>
-void blocks(const Operands<T>& op, int64_t block) {
-  const int64_t ahead = prefetch_steps(V) * kBlockStep<T>, tile_elements = V * op.steps * kBlockStep<T>;
+template <typename W, typename T, int V>
+void blocks(const Operands<W, T>& op, int64_t block) {
+  const int64_t ahead = prefetch_lines(V) * 64 / int64_t(sizeof(W)), tile_elements = V * op.steps * kBlockStep<W>;
   const bool next_fits =
-      block + 2 * V <= op.outputs / kLanes && 2 * tile_elements * int64_t(sizeof(T)) <= kSplitBytes;
+      block + 2 * V <= op.outputs / kLanes && 2 * tile_elements * int64_t(sizeof(W)) <= kSplitBytes;
   const int64_t next_tile = next_fits ? tile_elements : ahead;
   const auto ahead_at = [&](int64_t row) { return row == kRowsPerChunk ? next_tile : ahead; };
   int64_t row = 0;
   if constexpr (kRowsPerChunk * V <= kAccumulators)
     for (; row + kRowsPerChunk <= op.rows; row += kRowsPerChunk)
-      tile<T, kRowsPerChunk, V>(op, row, block, ahead_at(row));
-  if (row < op.rows) last_rows<T, V>(op, row, block, op.rows - row, ahead_at(row));
+      tile<W, T, kRowsPerChunk, V>(op, row, block, ahead_at(row));
+  if (row < op.rows) last_rows<W, T, V>(op, row, block, op.rows - row, ahead_at(row));
 }
 
 // Blocks [block, block + count), count <= V, as one tile of exactly that many blocks.
-template <typename T, int V>
-void some_blocks(const Operands<T>& op, int64_t block, int64_t count) {
+template <typename W, typename T, int V>
+void some_blocks(const Operands<W, T>& op, int64_t block, int64_t count) {
   if constexpr (V > 1)
-    if (count < V) return some_blocks<T, V - 1>(op, block, count);
-  blocks<T, V>(op, block);
+    if (count < V) return some_blocks<W, T, V - 1>(op, block, count);
+  blocks<W, T, V>(op, block);
 }
 
 // Few rows hold few sums: more blocks per tile keep the multiply units busy (each waits on its sum). An x larger
 // than L2 would be read again from L3 by every tile: it is cut into equal panels of about 64 KiB (8 rows at
 // least), which stay in L2 while every tile passes over them, the tasks taking panels in order. A smaller x
 // stays whole: L2 holds it, and panels would read the weight once per panel.
-template <typename T, int V>
-void run(const Operands<T>& op) {
+template <typename W, typename T, int V>
+void run(const Operands<W, T>& op) {
   const int64_t num_blocks = op.outputs / kLanes;
   const int64_t tiles = (num_blocks + V - 1) / V;
-  const int64_t x_bytes = op.rows * op.steps * Step<T>::inputs * int64_t(sizeof(Input<T>));
+  const int64_t x_bytes = op.rows * op.steps * Step<W>::inputs * int64_t(sizeof(Input<W>));
   const int64_t max_panels = x_bytes > kSplitBytes ? x_bytes / kPanelBytes : 1;
   const int64_t panel_rows = std::max<int64_t>(kRowsPerChunk, round_up((op.rows + max_panels - 1) / max_panels,
                                                                        kRowsPerChunk));
@@ -176,24 +234,25 @@ void run(const Operands<T>& op) {
   at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t first_row = i / tiles * panel_rows, t = i % tiles;
-      Operands<T> panel = op;
-      panel.x += first_row * op.steps * Step<T>::inputs;
+      Operands<W, T> panel = op;
+      panel.x += first_row * op.steps * Step<W>::inputs;
       panel.out += first_row * op.outputs;
       panel.rows = std::min(panel_rows, op.rows - first_row);
-      some_blocks<T, V>(panel, t * V, std::min<int64_t>(V, num_blocks - t * V));
+      some_blocks<W, T, V>(panel, t * V, std::min<int64_t>(V, num_blocks - t * V));
     }
   });
 }
 
-template <typename T>
-void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-               const at::Tensor& out) {
-  const at::Tensor input = kWidens<T> ? x.to(at::kFloat) : x;
-  const Operands<T> op{input.data_ptr<Input<T>>(), packed.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr,
-                       out.data_ptr<T>(), x.size(0), packed.size(1), out.size(1)};
-  if (op.rows <= 2) return run<T, 8>(op);
-  if (op.rows <= 4) return run<T, 6>(op);
-  run<T, kAccumulators / kRowsPerChunk>(op);
+template <typename W, typename T = W>
+void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+               const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const at::Tensor input = kWidens<W> ? x.to(at::kFloat) : x;
+  const Operands<W, T> op{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
+                          scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
+                          out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)};
+  if (op.rows <= 2) return run<W, T, 8>(op);
+  if (op.rows <= 4) return run<W, T, 6>(op);
+  run<W, T, kAccumulators / kRowsPerChunk>(op);
 }
 
 }  // namespace
@@ -202,31 +261,46 @@ void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
 namespace {
 bool multiplies(at::ScalarType dtype) {
 #if defined(__AVX512F__)
-  return dtype == at::kFloat || dtype == at::kBFloat16;
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar;
 #else
   return false;
 #endif
 }
+
+// An int8 weight's x (and bias and out): float32, bfloat16 or float16.
+bool scales_for(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf; }
+
+void check_scale(const at::Tensor& x, const c10::optional<at::Tensor>& scale, int64_t outputs) {
+  TORCH_CHECK(scales_for(x.scalar_type()), "linear: an int8 weight's x is float32, bfloat16 or float16, not ",
+              x.scalar_type());
+  TORCH_CHECK(scale && scale->device().is_cpu() && scale->is_contiguous() && scale->scalar_type() == at::kFloat &&
+                  scale->numel() == outputs,
+              "linear: an int8 weight needs its scale, float32 [N]");
+}
 }  // namespace
 
-// The dtypes this build multiplies: float32 and bfloat16 with AVX-512 (bfloat16 in dpbf16 with AVX512-BF16).
+// The weight dtypes this build multiplies: float32 and bfloat16 with AVX-512 (bfloat16 in dpbf16 with
+// AVX512-BF16), and int8 (with a float32 scale per output; x float32, bfloat16 or float16).
 std::vector<std::string> linear_dtypes() {
   std::vector<std::string> dtypes;
-  if (multiplies(at::kFloat)) dtypes.push_back("float32");
-  if (multiplies(at::kBFloat16)) dtypes.push_back("bfloat16");
+  for (const auto& [dtype, name] : {std::pair{at::kFloat, "float32"}, {at::kBFloat16, "bfloat16"}, {at::kChar, "int8"}})
+    if (multiplies(dtype)) dtypes.push_back(name);
   return dtypes;
 }
 
-// x: [M, K], contiguous; packed: [N/16, K/step, 16, step] (step 2 for bfloat16, 1 for float32); bias: [N] or
-// None; out: [M, N], contiguous; all of one dtype.
-void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-            const at::Tensor& out) {
-  const at::ScalarType dtype = x.scalar_type();
-  const int64_t step = dtype == at::kBFloat16 ? 2 : 1;
-  TORCH_CHECK(multiplies(dtype), "linear: this build does not multiply ", dtype);
+// x: [M, K], contiguous; packed: [N/16, K/step, 16, step] (step 2 for bfloat16, 1 for float32 and int8); scale:
+// [N] float32 for an int8 weight, else None; bias: [N] or None; out: [M, N], contiguous. x, bias and out share
+// one dtype, the weight's unless the weight is int8.
+void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+            const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const at::ScalarType weight_dtype = packed.scalar_type(), dtype = x.scalar_type();
+  const bool int8 = weight_dtype == at::kChar;
+  const int64_t step = weight_dtype == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(multiplies(weight_dtype), "linear: this build does not multiply ", weight_dtype, " weights");
   for (const at::Tensor* t : {&x, &packed, &out})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == dtype,
-                "linear: x, packed and out are contiguous CPU tensors of one dtype");
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && (t == &packed || t->scalar_type() == dtype) &&
+                    (int8 || t->scalar_type() == weight_dtype),
+                "linear: x, packed and out are contiguous CPU tensors of one dtype (x and out of one, with int8)");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == step &&
                   x.size(1) == step * packed.size(1) && out.dim() == 2 && out.size(0) == x.size(0) &&
                   out.size(1) == 16 * packed.size(0),
@@ -234,8 +308,19 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<a
   if (bias)
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == dtype && bias->numel() == out.size(1),
                 "linear: bias [N] of x's dtype");
+  if (int8)
+    check_scale(x, scale, out.size(1));
+  else
+    TORCH_CHECK(!scale, "linear: a scale goes with an int8 weight only");
+#if defined(__AVX512BF16__)
+  if (int8 && dtype == at::kBFloat16 && x.size(1) % 2 == 0)
+    return linear_as<Int8Pairs, at::BFloat16>(x, packed, scale, bias, out);
+#endif
 #if defined(__AVX512F__)
-  if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, bias, out);
-  linear_as<float>(x, packed, bias, out);
+  if (int8 && dtype == at::kBFloat16) return linear_as<int8_t, at::BFloat16>(x, packed, scale, bias, out);
+  if (int8 && dtype == at::kHalf) return linear_as<int8_t, at::Half>(x, packed, scale, bias, out);
+  if (int8) return linear_as<int8_t, float>(x, packed, scale, bias, out);
+  if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, scale, bias, out);
+  linear_as<float>(x, packed, scale, bias, out);
 #endif
 }

@@ -1,0 +1,277 @@
+"""int8 weights (quantization="int8", platforms/cpu/quantize.py): the quantizer, cpu_linear.cpp's W8A16 kernel
+against the dequantized weight's exact product, and the engine against float32 and bfloat16 runs."""
+
+import argparse
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from safetensors.torch import load_file, save_file
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.engine.arg_utils import EngineArgs
+from nanoengine.layers.embedding import ParallelLMHead
+from nanoengine.layers.linear import LinearBase
+from nanoengine.platforms.cpu import CpuPlatform
+from nanoengine.platforms.cpu import linear as linear_module
+from nanoengine.platforms.cpu.build import load_cpu_kernels
+from nanoengine.platforms.cpu.linear import linear, only_kernel
+from nanoengine.platforms.cpu.quantize import dequantize, quantize_int8, quantize_linear_layers
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]
+ENGINE = dict(max_model_len=128, num_kvcache_blocks=32)
+HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# The quantizer ------------------------------------------------------------------------------------------------------
+
+def test_the_quantizer_on_rows_worked_by_hand():
+    weight = torch.tensor([[127.0, -63.5, 0.5, -1.5],  # scale 1: -63.5 -> -64, 0.5 -> 0, -1.5 -> -2 (ties to even)
+                           [0.0, 0.0, 0.0, 0.0],  # scale 0, q 0: no division by zero, no NaN
+                           [-254.0, 1.0, 3.0, 5.0]])  # scale 2: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.tolist() == [[127, -64, 0, -2], [0, 0, 0, 0], [-127, 0, 2, 2]]
+    assert scale.tolist() == [1.0, 0.0, 2.0]
+    assert dequantize(q, scale).tolist() == [[127, -64, 0, -2], [0, 0, 0, 0], [-254, 0, 4, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_quantizer_rounds_each_value_to_the_nearest_step_of_its_row(dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(64, 300) * torch.logspace(-3, 2, 64).unsqueeze(1)).to(dtype)
+    q, scale = quantize_int8(weight)
+    absmax = weight.float().abs().amax(dim=1)
+    assert torch.equal(scale, absmax / 127)  # absmax / 127, rounded once in float32
+    assert q.abs().max() == 127 and (q == -128).sum() == 0
+    assert torch.equal(q.abs().amax(dim=1), torch.full((64,), 127, dtype=torch.int8))  # each row's largest is +-127
+    error = (dequantize(q, scale).double() - weight.double()).abs()
+    assert (error <= scale.double().unsqueeze(1) * (0.5 + 1e-5)).all()  # half a step, and the scale's rounding
+
+
+def test_a_shard_quantized_with_the_full_rows_absmax_is_the_full_weights_slice():
+    """What the row-parallel layers rely on: with the largest magnitude over all ranks, each shard's q and scale
+    are the single rank's."""
+    torch.manual_seed(1)
+    weight = torch.randn(32, 96)
+    q, scale = quantize_int8(weight)
+    absmax = weight.abs().amax(dim=1)
+    for shard, expected_q in zip(weight.chunk(2, dim=1), q.chunk(2, dim=1)):
+        shard_q, shard_scale = quantize_int8(shard, absmax)
+        assert torch.equal(shard_scale, scale) and torch.equal(shard_q, expected_q)
+
+
+# The kernel against the dequantized weight's exact product ----------------------------------------------------------
+
+ACTIVATIONS = [torch.float32, torch.bfloat16, torch.float16]
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the C++ kernels did not build: see the warning logged above"
+    return kernels
+
+
+def int8_ops(cpu_ops):
+    if "int8" not in cpu_ops.linear_dtypes():
+        pytest.skip("this CPU cannot run the int8 kernel (AVX-512), so quantization='int8' is refused (tested below)")
+    return cpu_ops
+
+
+def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias):
+    """Each output is the exact product with the dequantized weight, rounded once to out's dtype, give or take what
+    float32 accumulation (K roundings of the largest partial sum), the scale's multiply and the bias's add move it."""
+    terms = x.double().unsqueeze(1) * dequantize(q, scale).double().unsqueeze(0)  # [rows, N, K]
+    exact = terms.sum(-1) + (0 if bias is None else bias.double())
+    magnitude = terms.abs().sum(-1) + (0 if bias is None else bias.double().abs())
+    float32_error = magnitude * (q.shape[1] + 2) * 2.0**-24
+    bits, smallest_normal = MANTISSA_BITS[out.dtype], torch.finfo(out.dtype).smallest_normal
+    unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(smallest_normal))) - bits)  # subnormals' too
+    assert not out.isnan().any()
+    assert ((out.double() - exact).abs() <= unit / 2 + float32_error).all()
+
+
+@pytest.mark.parametrize("dtype", ACTIVATIONS, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("out_features, in_features", [(16, 1), (48, 37), (112, 96)])
+def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features):
+    """Rows 1..33 (every split of the 1-2, 3-4 and 8-row tiles and each remainder) and 300, partial tiles of
+    blocks (3 and 7 blocks), an odd K, with and without bias, NaN in out before each call."""
+    ops = int8_ops(cpu_ops)
+    torch.manual_seed(out_features)
+    q, scale = quantize_int8(torch.randn(out_features, in_features))
+    packed = linear_module.pack_steps(q)
+    for rows in [*range(1, 34), 300]:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        for bias in (None, torch.randn(out_features, dtype=dtype)):
+            out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+            ops.linear(x, packed, scale, bias, out)
+            assert_dequantized_product(out, x, q, scale, bias)
+
+
+@pytest.mark.parametrize("kernel", ["avx512", "float32", "torch"])
+def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kernel):
+    """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
+    ops = int8_ops(cpu_ops)
+    torch.manual_seed(2)
+    q, scale = quantize_int8(torch.randn(64, 40))
+    bias = torch.randn(64, dtype=torch.bfloat16)
+    choice = only_kernel(q, kernel, ops, scale)
+    if choice.scratch is not None:
+        choice.scratch.fill_(float("nan"))
+    wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+    out = linear(wide[..., :40], q, bias, choice)
+    assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
+    assert_dequantized_product(out.view(6, 64), wide[..., :40].reshape(6, 40), q, scale, bias)
+
+
+def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
+    ops = int8_ops(cpu_ops)
+    q, scale = quantize_int8(torch.randn(32, 8))
+    packed, x, out = linear_module.pack_steps(q), torch.randn(3, 8), torch.empty(3, 32)
+    for args, message in (((x, packed, None, None, out), "needs its scale"),
+                          ((x, packed, scale[:16], None, out), "needs its scale"),
+                          ((x, packed, scale.double(), None, out), "needs its scale"),
+                          ((x.to(torch.int8), packed, scale, None, out.to(torch.int8)), "float32, bfloat16 or float16"),
+                          ((x, packed, scale, None, out.bfloat16()), "contiguous CPU tensors"),
+                          ((x, packed, scale, torch.zeros(32, dtype=torch.bfloat16), out), "bias"),
+                          ((x, linear_module.pack_steps(torch.randn(32, 8)), scale, None, out),
+                           "goes with an int8 weight only")):
+        with pytest.raises(RuntimeError, match=message):
+            ops.linear(*args)
+
+
+def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops):
+    """Other shapes are dequantized into the float32 scratch (or, as the oracle, a new buffer)."""
+    ops = int8_ops(cpu_ops)
+    assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "avx512")
+    assert linear_module.kernels_for(torch.zeros(40, 64, dtype=torch.int8), ops) == ("torch", "float32")
+
+
+# The engine -----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
+    """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and a copy whose linear weights are
+    their int8 quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
+    multiplies by, in float32."""
+    original = tmp_path_factory.mktemp("int8-qwen2")
+    build_tiny_model("qwen2", original, smollm2_dir, initializer_range=0.5)
+    dequantized = shutil.copytree(original, original.with_name("int8-qwen2-dequantized"))
+    weights = load_file(dequantized / "model.safetensors")
+    for name, weight in weights.items():
+        if name.endswith(".weight") and name.split(".")[-2] in HF_LINEARS:
+            weights[name] = dequantize(*quantize_int8(weight))
+    weights["lm_head.weight"] = dequantize(*quantize_int8(weights["model.embed_tokens.weight"]))
+    save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dequantized / "config.json").read_text())
+    (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    return {"original": str(original), "dequantized": str(dequantized)}
+
+
+def run(folder: str, prompts=PROMPTS, **options) -> tuple[list[list[int]], list[list[float]]]:
+    with LLM(folder, **ENGINE, **options) as llm:
+        completions = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return ([c.token_ids for c in completions],
+            [[entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)] for c in completions])
+
+
+def test_int8_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="nanoengine.platforms.cpu.quantize"):
+        tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization="int8")
+    assert "int8 weights: the linear layers' and LM head's 9 weights take" in caplog.text
+    expected_tokens, expected_logprobs = run(qwen2_dirs["dequantized"], dtype="float32")
+    assert tokens == expected_tokens
+    for row, expected in zip(logprobs, expected_logprobs):  # they differ by up to 4e-5 here
+        assert row == pytest.approx(expected, abs=2e-4)
+
+
+def test_int8_weights_agree_with_bfloat16_where_bfloat16_is_sure(sharp_tiny_model):
+    """Greedy tokens agree with bfloat16's until a step whose two best bfloat16 logprobs are near: there int8's
+    small error may pick the other (the message shows the gap). The random tiny model has many near-ties (gaps of
+    one or two bfloat16 steps, 0.0625 here), so the share that agrees says little."""
+    folder = sharp_tiny_model[0]
+    options = dict(dtype="bfloat16", max_model_len=128, num_kvcache_blocks=32)
+    top2 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    with LLM(folder, **options) as llm:
+        expected = [o.outputs[0] for o in llm.generate(PROMPTS, top2, use_tqdm=False)]
+    with LLM(folder, quantization="int8", **options) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, top2, use_tqdm=False)]
+    assert_agree_until_a_near_tie(got, expected, max_gap=0.25)
+
+
+def assert_agree_until_a_near_tie(tokens: list[list[int]], expected: list, max_gap: float) -> float:
+    """``expected``: bfloat16's CompletionOutputs, with 2 logprobs a token. Returns the share of the tokens that
+    agree before each row's first difference."""
+    agreed = 0
+    for row, reference in zip(tokens, expected):
+        first = next((i for i, (a, b) in enumerate(zip(row, reference.token_ids)) if a != b), None)
+        agreed += len(row) if first is None else first
+        if first is not None:
+            best, second = sorted((lp.logprob for lp in reference.logprobs[first].values()), reverse=True)[:2]
+            assert best - second < max_gap, (f"int8 chose another token at step {first} where bfloat16's best two "
+                                             f"logprobs are {best - second:.3f} apart")
+    return agreed / sum(len(row) for row in tokens)
+
+
+def test_the_options_errors_name_quantization(sharp_tiny_model, monkeypatch):
+    folder = sharp_tiny_model[0]
+    with pytest.raises(ValueError, match=r"quantization must be one of \('int8',\) or None, got 'fp8'"):
+        LLM(folder, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization='int8' runs on the CPU with attention_backend='cpu'"):
+        LLM(folder, quantization="int8", attention_backend="torch")
+    monkeypatch.setattr("nanoengine.platforms.cpu.load_cpu_kernels", lambda: None)  # no compiler
+    with pytest.raises(ValueError, match="quantization='int8': this machine's CPU kernels cannot multiply int8"):
+        CpuPlatform("cpu", "int8")
+
+
+def test_the_command_line_takes_quantization(sharp_tiny_model):
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--model", sharp_tiny_model[0], "--quantization", "int8"]))
+    assert args.quantization == "int8" and args.create_engine_config().quantization == "int8"
+    assert parser.parse_args(["--model", "m"]).quantization is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the LM head of its own, tied to the embeddings
+def test_quantizing_halves_the_linear_layers_and_lm_head_and_keeps_the_embeddings(tmp_path, smollm2_dir, arch):
+    build_tiny_model(arch, tmp_path, smollm2_dir)
+    with LLM(str(tmp_path), dtype="bfloat16", **ENGINE) as llm:
+        model = llm.llm_engine.model_executor.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    assert len(linears) == 2 * 4 + 1
+    before = sum(m.weight.nbytes for m in linears)
+    quantize_linear_layers(model)
+    assert all(m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32 for m in linears)
+    assert sum(m.weight.nbytes for m in linears) == before // 2
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_two_ranks_quantize_as_one(qwen2_dirs):
+    options = dict(dtype="float32", quantization="int8", max_num_batched_tokens=32)
+    expected_tokens, expected_logprobs = run(qwen2_dirs["original"], **options)
+    tokens, logprobs = run(qwen2_dirs["original"], tensor_parallel_size=2, **options)
+    assert tokens == expected_tokens
+    for row, expected in zip(logprobs, expected_logprobs):
+        assert row == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_int8_agrees_with_bfloat16_on_chat_prompts(smollm2_dir):
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+                 "Explain what a CPU cache is in one sentence."]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    options = dict(dtype="bfloat16", max_model_len=512, num_kvcache_blocks=64)
+    with LLM(smollm2_dir, **options) as llm:
+        expected = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
+    with LLM(smollm2_dir, quantization="int8", **options) as llm:
+        got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    assert assert_agree_until_a_near_tie(got, expected, max_gap=1.0) >= 0.5
