@@ -10,7 +10,9 @@
 // (K^T or V) is packed from the paged cache once per (request, KV head, key block), before the tasks run. With
 // AVX512-BF16 a bfloat16 cache multiplies in bfloat16 pairs (each product exact in float32, about twice the
 // float32 rate); P is then rounded to bfloat16, as torch's flash kernel does. Other caches (and CPUs) multiply
-// in float32. Built with cpu_decode.cpp by nanoengine/platforms/cpu/build.py.
+// in float32. An int8 cache is packed dequantized (each row widened, times its token's scale) into what a cache
+// of q's dtype would pack, so the GEMMs are the same. Built with cpu_decode.cpp by
+// nanoengine/platforms/cpu/build.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -171,13 +173,15 @@ struct Workspace {
   std::vector<float> acc, max, sum;
 };
 
-template <typename T, typename Compute>
+// T: q's and out's type; C: the cache's (T, or int8_t with a float32 scale per token and KV head).
+template <typename T, typename C, typename Compute>
 class PrefillAttention {
  public:
-  PrefillAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, float scale,
-                   const at::Tensor& out, const std::vector<Request>& requests, int num_blocks)
-      : q_(q.data_ptr<T>()), k_cache_(k_cache.data_ptr<T>()), v_cache_(v_cache.data_ptr<T>()),
-        out_(out.data_ptr<T>()), requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)),
+  PrefillAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& k_scale, const at::Tensor& v_scale, float scale, const at::Tensor& out,
+                   const std::vector<Request>& requests, int num_blocks)
+      : q_(q.data_ptr<T>()), k_cache_(k_cache.data_ptr<C>()), v_cache_(v_cache.data_ptr<C>()),
+        k_scale_(k_scale.data_ptr<float>()), v_scale_(v_scale.data_ptr<float>()), out_(out.data_ptr<T>()), requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)),
         head_dim_(q.size(2)), block_size_(k_cache.size(1)), num_kv_heads_(k_cache.size(2)),
         group_(num_heads_ / num_kv_heads_), scale_(scale), out_cols_(round_up(head_dim_, kTileCols)),
         keys_(at::empty({int64_t(num_blocks) * num_kv_heads_ * head_dim_ * kKeyBlock}, dtype())),
@@ -200,23 +204,30 @@ class PrefillAttention {
       std::fill(keys, keys + head_dim_ * kKeyBlock, Compute(0));
       std::fill(values, values + kKeyBlock * out_cols_, Compute(0));
     }
-    const auto row = [&](const T* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
+    const auto row = [&](const C* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
+    const auto scale = [&](const float* scales, int t) {
+      return token_scale<C>(scales, slot(r, first_key + t) * num_kv_heads_ + kv_head, 1);
+    };
     int keys_done = 0, values_done = 0;
 #if defined(__AVX512BW__)
-    if constexpr (std::is_same_v<T, Compute>) {
-      if (head_dim_ * sizeof(T) % 64 == 0) {
+    if constexpr (std::is_same_v<C, Compute>) {
+      if (head_dim_ * sizeof(C) % 64 == 0) {
         for (; keys_done + 16 <= n; keys_done += 16) transpose_keys(row, keys_done, keys);
         for (; values_done + pair <= n; values_done += pair) pair_values(row, values_done, values);
       }
     }
 #endif
     for (int t = keys_done; t < n; ++t) {
-      const T* k = row(k_cache_, t);
-      for (int d = 0; d < head_dim_; ++d) keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]));
+      const C* k = row(k_cache_, t);
+      const float s = scale(k_scale_, t);
+      for (int d = 0; d < head_dim_; ++d)
+        keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]) * s);
     }
     for (int t = values_done; t < n; ++t) {
-      const T* v = row(v_cache_, t);
-      for (int d = 0; d < head_dim_; ++d) values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]));
+      const C* v = row(v_cache_, t);
+      const float s = scale(v_scale_, t);
+      for (int d = 0; d < head_dim_; ++d)
+        values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]) * s);
     }
   }
 
@@ -238,12 +249,12 @@ class PrefillAttention {
   // interleaved, each column's pair of keys together.
   template <typename Row>
   void pair_values(Row row, int first, Compute* values) const {
-    const T* v = row(v_cache_, first);
+    const C* v = row(v_cache_, first);
     Compute* out = values + first * out_cols_;  // the row of pair first / 2, in elements
     if constexpr (kPair<Compute> == 1) {
       std::copy(v, v + head_dim_, out);
     } else {
-      const T* next = row(v_cache_, first + 1);
+      const C* next = row(v_cache_, first + 1);
       for (int d = 0; d < head_dim_; d += 32) {
         const auto [low, high] = interleave_rows(_mm512_loadu_si512(v + d), _mm512_loadu_si512(next + d));
         _mm512_storeu_si512(out + 2 * d, low);
@@ -280,9 +291,11 @@ class PrefillAttention {
  private:
   static at::ScalarType dtype() { return std::is_same_v<Compute, float> ? at::kFloat : at::kBFloat16; }
 
-  const T* cache_row(const Request& r, const T* cache, int kv_head, int pos) const {
-    const int64_t slot = int64_t(r.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
-    return cache + (slot * num_kv_heads_ + kv_head) * head_dim_;
+  int64_t slot(const Request& r, int pos) const {
+    return int64_t(r.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+  }
+  const C* cache_row(const Request& r, const C* cache, int kv_head, int pos) const {
+    return cache + (slot(r, pos) * num_kv_heads_ + kv_head) * head_dim_;
   }
   Compute* packed_keys(const Request& r, int kv_head, int block) {
     return keys_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
@@ -364,7 +377,9 @@ class PrefillAttention {
 
   static int blocks(const Request& r) { return (r.seq_len + kKeyBlock - 1) / kKeyBlock; }
 
-  const T *q_, *k_cache_, *v_cache_;
+  const T* q_;
+  const C *k_cache_, *v_cache_;
+  const float *k_scale_, *v_scale_;  // an int8 cache's; else unread
   T* out_;
   const std::vector<Request>& requests_;
   const int64_t q_stride_;
@@ -385,11 +400,12 @@ void share(size_t n, MakeWorker make_worker) {
   });
 }
 
-template <typename T, typename Compute>
+template <typename T, typename C, typename Compute>
 void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             std::vector<Request>& requests, float scale, const at::Tensor& out) {
-  const int num_kv_heads = k_cache.size(2), tokens_per_task = PrefillAttention<T, Compute>::tokens_per_task(
-                                                                  q.size(1) / num_kv_heads);
+                             const at::Tensor& k_scale, const at::Tensor& v_scale, std::vector<Request>& requests,
+                             float scale, const at::Tensor& out) {
+  using Attention = PrefillAttention<T, C, Compute>;
+  const int num_kv_heads = k_cache.size(2), tokens_per_task = Attention::tokens_per_task(q.size(1) / num_kv_heads);
   std::vector<std::array<int, 3>> blocks;  // (request, KV head, key block) to pack
   std::vector<Task> tasks;
   int num_blocks = 0;
@@ -407,7 +423,7 @@ void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   // The longest tasks first: the threads finish together.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  PrefillAttention<T, Compute> attention(q, k_cache, v_cache, scale, out, requests, num_blocks);
+  Attention attention(q, k_cache, v_cache, k_scale, v_scale, scale, out, requests, num_blocks);
   share(blocks.size(), [&] {
     return [&](size_t i) { attention.pack_block(blocks[i][0], blocks[i][1], blocks[i][2]); };
   });
@@ -419,13 +435,15 @@ void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, con
 }  // namespace
 
 // q, out: [num_tokens, num_heads, head_dim] (q's rows may be strided: a view of the QKV projection); caches:
-// [num_blocks, block_size, num_kv_heads, head_dim]; per prompt request: block_tables [num_requests, max_blocks],
+// [num_blocks, block_size, num_kv_heads, head_dim] of q's dtype (scales empty) or int8 (scales float32
+// [num_blocks, block_size, num_kv_heads]); per prompt request: block_tables [num_requests, max_blocks],
 // first_rows (its first query row in q and out), query_lens and seq_lens, all int32. A request's query rows are
 // the last query_len positions of its context; only they are written in ``out``.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
-                       const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
-  check_attention_tensors("prefill_attention", q, k_cache, v_cache, out);
+                       const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                       const at::Tensor& first_rows, const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                       double scale, const at::Tensor& out) {
+  const bool quantized = check_attention_tensors("prefill_attention", q, k_cache, v_cache, k_scale, v_scale, out);
   TORCH_CHECK(q.size(2) % 2 == 0, "prefill_attention: head_dim even");
   for (const at::Tensor* t : {&block_tables, &first_rows, &query_lens, &seq_lens})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "prefill_attention takes contiguous CPU tensors");
@@ -442,11 +460,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                 "prefill_attention: a request's rows or lengths do not fit q or its block table");
     requests.push_back(r);
   }
+  const auto run = [&](auto element, auto compute) {
+    using T = decltype(element);
+    using Compute = decltype(compute);
+    if (quantized)
+      prefill_attention_typed<T, int8_t, Compute>(q, k_cache, v_cache, k_scale, v_scale, requests, float(scale), out);
+    else
+      prefill_attention_typed<T, T, Compute>(q, k_cache, v_cache, k_scale, v_scale, requests, float(scale), out);
+  };
   switch (q.scalar_type()) {
-    case at::kFloat: return prefill_attention_typed<float, float>(q, k_cache, v_cache, requests, float(scale), out);
-    case at::kBFloat16:
-      return prefill_attention_typed<at::BFloat16, BFloat16Compute>(q, k_cache, v_cache, requests, float(scale), out);
-    case at::kHalf: return prefill_attention_typed<at::Half, float>(q, k_cache, v_cache, requests, float(scale), out);
+    case at::kFloat: return run(float(), float());
+    case at::kBFloat16: return run(at::BFloat16(), BFloat16Compute());
+    case at::kHalf: return run(at::Half(), float());
     default: TORCH_CHECK(false, "prefill_attention: float32, bfloat16 or float16 only, not ", q.scalar_type());
   }
 }
