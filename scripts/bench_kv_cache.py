@@ -2,7 +2,8 @@
 
 Decode attention reads every K and V byte of its contexts once, so an int8 cache (one byte an element and a
 4-byte scale per token and KV head) reads (head_dim + 4) / (2 head_dim) of the bytes. Prompt attention is
-mostly arithmetic. Each case is timed as the best of ``--reps`` calls, the two caches taking turns, so a burst of
+mostly arithmetic. Each layer has its own cache, so a step's reads come from memory, as in a model; each case is
+timed as the best of ``--reps`` calls, the two caches taking turns, so a burst of
 other work on the machine weighs on both alike. ``python scripts/bench_kv_cache.py``.
 """
 
@@ -20,6 +21,7 @@ from nanoengine.utils.cpu_info import cpu_model  # noqa: E402
 
 BLOCK_SIZE = 16
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3.2-1B": (32, 8, 64)}  # query heads, KV heads, head_dim
+OVERFLOW_BYTES = 256 << 20  # the caches of all layers together, in bfloat16: more than any CPU's L3 here
 CASES = [("decode", 32, 600), ("decode", 1, 4096), ("prompt", 1, 1024)]  # kind, requests, tokens each
 
 
@@ -34,19 +36,27 @@ def caches(num_tokens: int, num_kv_heads: int, head_dim: int, quantized: bool) -
 
 
 def call(kernels, kind: str, num_requests: int, tokens: int, shape: tuple[int, int, int], quantized: bool):
-    """One layer's attention call for the case, ready to run: decodes of ``tokens`` contexts, or whole prompts."""
+    """The case's attention call in each of enough layers that their caches overflow the CPU's caches, as a
+    step's layers do (decodes of ``tokens`` contexts, or whole prompts); returns (run them all, the layers)."""
     num_heads, num_kv_heads, head_dim = shape
-    blocks_each = tokens // BLOCK_SIZE
-    cache = caches(num_requests * tokens, num_kv_heads, head_dim, quantized)
+    blocks_each = -(-tokens // BLOCK_SIZE)
     tables = torch.randperm(num_requests * blocks_each, dtype=torch.int32).view(num_requests, blocks_each)
     lens = torch.full((num_requests,), tokens, dtype=torch.int32)
     rows = num_requests if kind == "decode" else num_requests * tokens
     q = torch.randn(rows, num_heads, head_dim, dtype=torch.bfloat16)
     out, scale = torch.empty_like(q), head_dim ** -0.5
-    if kind == "decode":
-        return lambda: kernels.decode_attention(q, *cache, tables, lens, torch.arange(rows), scale, out)
+    layer_bytes = num_requests * blocks_each * BLOCK_SIZE * num_kv_heads * head_dim * 2 * 2  # in bfloat16
+    layers = [caches(num_requests * blocks_each * BLOCK_SIZE, num_kv_heads, head_dim, quantized)
+              for _ in range(-(-OVERFLOW_BYTES // layer_bytes))]
     first_rows = torch.arange(num_requests, dtype=torch.int32) * tokens
-    return lambda: kernels.prefill_attention(q, *cache, tables, first_rows, lens, lens, scale, out)
+
+    def run_layers():
+        for cache in layers:
+            if kind == "decode":
+                kernels.decode_attention(q, *cache, tables, lens, torch.arange(rows), scale, out)
+            else:
+                kernels.prefill_attention(q, *cache, tables, first_rows, lens, lens, scale, out)
+    return run_layers, len(layers)
 
 
 def best_of_alternating(calls: list, reps: int) -> list[float]:
@@ -64,17 +74,22 @@ def best_of_alternating(calls: list, reps: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--threads", type=int, help="torch's threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
     if kernels is None:
         sys.exit("the C++ kernels did not build")
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads; one layer's call, best of {args.reps}\n")
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads; a layer's call, in the best of {args.reps} runs "
+          "through every layer\n")
     print("| model shape | case | bfloat16 cache, us | int8 cache, us | int8 / bf16 |")
     print("| --- | --- | ---: | ---: | ---: |")
     for name, shape in SHAPES.items():
         for kind, num_requests, tokens in CASES:
-            plain, quantized = best_of_alternating(
-                [call(kernels, kind, num_requests, tokens, shape, q) for q in (False, True)], args.reps)
+            (plain, layers), (quantized, _) = [call(kernels, kind, num_requests, tokens, shape, q)
+                                               for q in (False, True)]
+            plain, quantized = (t / layers for t in best_of_alternating([plain, quantized], args.reps))
             print(f"| {name} | {kind}, {num_requests} x {tokens} tokens | {plain * 1e6:.0f} | {quantized * 1e6:.0f} "
                   f"| {quantized / plain:.2f} |")
 

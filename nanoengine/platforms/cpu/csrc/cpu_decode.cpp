@@ -39,6 +39,11 @@ struct HeadCache {
     const int64_t token = first_token(block_table, block);
     prefetch_block(k + token * token_stride, v + token * token_stride, block_size, token_stride,
                    head_dim * int(sizeof(C)));
+    if constexpr (std::is_same_v<C, int8_t>)  // the block's scales: one float a token, scale_stride apart
+      for (int64_t byte = 0; byte < block_size * scale_stride * int64_t(sizeof(float)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_scale + token * scale_stride) + byte, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_scale + token * scale_stride) + byte, 0, 2);
+      }
   }
 };
 

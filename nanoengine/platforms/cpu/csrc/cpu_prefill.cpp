@@ -10,8 +10,9 @@
 // (K^T or V) is packed from the paged cache once per (request, KV head, key block), before the tasks run. With
 // AVX512-BF16 a bfloat16 cache multiplies in bfloat16 pairs (each product exact in float32, about twice the
 // float32 rate); P is then rounded to bfloat16, as torch's flash kernel does. Other caches (and CPUs) multiply
-// in float32. An int8 cache is packed dequantized (each row widened, times its token's scale) into what a cache
-// of q's dtype would pack, so the GEMMs are the same. Built with cpu_decode.cpp by
+// in float32. An int8 cache's values are packed as they are (an integer up to 127 is exact in bfloat16), its
+// scales beside them: a key's multiplies its column of S with the softmax scale, a value's its column of P (after
+// P's sum is taken), so the GEMMs are those of a cache of q's dtype. Built with cpu_decode.cpp by
 // nanoengine/platforms/cpu/build.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -181,11 +182,13 @@ class PrefillAttention {
                    const at::Tensor& k_scale, const at::Tensor& v_scale, float scale, const at::Tensor& out,
                    const std::vector<Request>& requests, int num_blocks)
       : q_(q.data_ptr<T>()), k_cache_(k_cache.data_ptr<C>()), v_cache_(v_cache.data_ptr<C>()),
-        k_scale_(k_scale.data_ptr<float>()), v_scale_(v_scale.data_ptr<float>()), out_(out.data_ptr<T>()), requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)),
-        head_dim_(q.size(2)), block_size_(k_cache.size(1)), num_kv_heads_(k_cache.size(2)),
+        k_scale_(k_scale.data_ptr<float>()), v_scale_(v_scale.data_ptr<float>()), out_(out.data_ptr<T>()),
+        requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)), head_dim_(q.size(2)),
+        block_size_(k_cache.size(1)), num_kv_heads_(k_cache.size(2)),
         group_(num_heads_ / num_kv_heads_), scale_(scale), out_cols_(round_up(head_dim_, kTileCols)),
         keys_(at::empty({int64_t(num_blocks) * num_kv_heads_ * head_dim_ * kKeyBlock}, dtype())),
-        values_(at::empty({int64_t(num_blocks) * num_kv_heads_ * kKeyBlock * out_cols_}, dtype())) {}
+        values_(at::empty({int64_t(num_blocks) * num_kv_heads_ * kKeyBlock * out_cols_}, dtype())),
+        scales_(at::empty({kQuantized ? 2 * int64_t(num_blocks) * num_kv_heads_ * kKeyBlock : 0}, at::kFloat)) {}
 
   static int tokens_per_task(int group) { return std::max(1, kQueryRows / group); }
   Workspace<Compute> workspace() const {
@@ -205,9 +208,13 @@ class PrefillAttention {
       std::fill(values, values + kKeyBlock * out_cols_, Compute(0));
     }
     const auto row = [&](const C* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
-    const auto scale = [&](const float* scales, int t) {
-      return token_scale<C>(scales, slot(r, first_key + t) * num_kv_heads_ + kv_head, 1);
-    };
+    if constexpr (kQuantized) {
+      float *key_scales = packed_scales(r, kv_head, block), *value_scales = key_scales + kKeyBlock;
+      for (int t = 0; t < kKeyBlock; ++t) {  // 0 past the context
+        key_scales[t] = t < n ? k_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
+        value_scales[t] = t < n ? v_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
+      }
+    }
     int keys_done = 0, values_done = 0;
 #if defined(__AVX512BW__)
     if constexpr (std::is_same_v<C, Compute>) {
@@ -219,15 +226,11 @@ class PrefillAttention {
 #endif
     for (int t = keys_done; t < n; ++t) {
       const C* k = row(k_cache_, t);
-      const float s = scale(k_scale_, t);
-      for (int d = 0; d < head_dim_; ++d)
-        keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]) * s);
+      for (int d = 0; d < head_dim_; ++d) keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]));
     }
     for (int t = values_done; t < n; ++t) {
       const C* v = row(v_cache_, t);
-      const float s = scale(v_scale_, t);
-      for (int d = 0; d < head_dim_; ++d)
-        values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]) * s);
+      for (int d = 0; d < head_dim_; ++d) values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]));
     }
   }
 
@@ -281,7 +284,8 @@ class PrefillAttention {
       };
       gemm(Product::kScores, w.queries.get(), head_dim_, packed_keys(r, task.kv_head, block), kKeyBlock,
            round_up(block_keys, kTileCols), head_dim_, w.scores.data(), kKeyBlock, rows, visible);
-      for (int row = 0; row < rows; ++row) softmax_step(row, visible(row), value_k, w);
+      const float* key_scales = kQuantized ? packed_scales(r, task.kv_head, block) : nullptr;
+      for (int row = 0; row < rows; ++row) softmax_step(row, visible(row), value_k, key_scales, w);
       gemm(Product::kValues, w.probs.get(), kKeyBlock, packed_values(r, task.kv_head, block), out_cols_,
            out_cols_, value_k, w.acc.data(), out_cols_, rows, visible);
     }
@@ -301,6 +305,10 @@ class PrefillAttention {
     return keys_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
                                            head_dim_ * kKeyBlock;
   }
+  float* packed_scales(const Request& r, int kv_head, int block) {  // kKeyBlock keys' scales, then values'
+    return scales_.data_ptr<float>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) * 2 *
+                                           kKeyBlock;
+  }
   Compute* packed_values(const Request& r, int kv_head, int block) {
     return values_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
                                              kKeyBlock * out_cols_;
@@ -316,8 +324,9 @@ class PrefillAttention {
   }
 
   // One row's scores over the block's first ``visible`` keys (the rest are after its position) into P and
-  // its running max, sum and accumulator.
-  void softmax_step(int row, int visible, int value_k, Workspace<Compute>& w) const {
+  // its running max, sum and accumulator. An int8 cache's ``scales`` (the block's keys', then its values') scale
+  // each score, and each p as it goes into P (not into the sum).
+  void softmax_step(int row, int visible, int value_k, const float* scales, Workspace<Compute>& w) const {
     Compute* p = w.probs.get() + row * kKeyBlock;
     if (visible <= 0) {
       std::fill(p, p + value_k, Compute(0));
@@ -327,16 +336,20 @@ class PrefillAttention {
 #if defined(__AVX512F__)
     const int chunks = (visible + 15) / 16;  // 16 keys at a time; lanes past ``visible`` count for nothing
     const auto live = [&](int c) { return __mmask16(16 * c + 16 <= visible ? 0xFFFF : (1u << visible % 16) - 1); };
-    const __m512 scale = _mm512_set1_ps(scale_);
+    const auto scale = [&](int c) {
+      const __m512 softmax_scale = _mm512_set1_ps(scale_);
+      return scales ? _mm512_mul_ps(softmax_scale, _mm512_loadu_ps(scales + 16 * c)) : softmax_scale;
+    };
     __m512 most = _mm512_set1_ps(w.max[row]);
     for (int c = 0; c < chunks; ++c)
-      most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale));
+      most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale(c)));
     const float block_max = _mm512_reduce_max_ps(most);
     __m512 sums = _mm512_setzero_ps();
     for (int c = 0; c < chunks; ++c) {
-      const __m512 e = _mm512_maskz_mov_ps(
-          live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale, _mm512_set1_ps(block_max))));
+      __m512 e = _mm512_maskz_mov_ps(
+          live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale(c), _mm512_set1_ps(block_max))));
       sums = _mm512_add_ps(sums, e);
+      if (scales) e = _mm512_mul_ps(e, _mm512_loadu_ps(scales + kKeyBlock + 16 * c));
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<Compute, at::BFloat16>) {  // one instruction, rounding as store16 does
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), (__m256i)_mm512_cvtneps_pbh(e));
@@ -348,13 +361,14 @@ class PrefillAttention {
     const float block_sum = _mm512_reduce_add_ps(sums);
     std::fill(p + std::min(16 * chunks, value_k), p + value_k, Compute(0));
 #else
+    const auto scale = [&](int t) { return scales ? scale_ * scales[t] : scale_; };
     float block_max = w.max[row];
-    for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale_);
+    for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale(t));
     float block_sum = 0.f;
     for (int t = 0; t < visible; ++t) {
-      const float e = std::exp(s[t] * scale_ - block_max);
+      const float e = std::exp(s[t] * scale(t) - block_max);
       block_sum += e;
-      p[t] = Compute(e);
+      p[t] = Compute(scales ? e * scales[kKeyBlock + t] : e);
     }
     std::fill(p + visible, p + value_k, Compute(0));
 #endif
@@ -387,6 +401,8 @@ class PrefillAttention {
   const float scale_;
   const int out_cols_;  // P V's columns: head_dim padded for gemm
   at::Tensor keys_, values_;  // per (request, KV head, key block), packed
+  at::Tensor scales_;         // an int8 cache's: per (request, KV head, key block), its keys' then its values'
+  static constexpr bool kQuantized = std::is_same_v<C, int8_t>;
 };
 
 // Calls a worker on every index below n: each thread makes its own (make_worker()) and takes the next index
