@@ -168,6 +168,15 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
                   T* out) {
   constexpr int kVectors = HEAD_DIM / 16;
   constexpr bool kQuantized = std::is_same_v<C, int8_t>;
+#if defined(__AVX512BF16__)
+  // With bfloat16 q, an int8 run's rows are widened once to bfloat16 (exact: integers up to 256 are), for every
+  // head to take in the bfloat16 cache's dpbf16 code.
+  constexpr bool kAsPairs = kQuantized && std::is_same_v<T, at::BFloat16>;
+#else
+  constexpr bool kAsPairs = false;
+#endif
+  using Row = std::conditional_t<kAsPairs, at::BFloat16, C>;  // what the run's K and V rows are read as
+  alignas(64) at::BFloat16 widened[kAsPairs ? 32 : 1][HEAD_DIM];  // the run's K rows, then its V rows
   const int block_size = cache.block_size;
   const int64_t token_stride = cache.token_stride;
   float m[HEADS];
@@ -181,8 +190,20 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
     const int b = start / block_size, first = start % block_size;
     n = std::min({16, seq_len - start, block_size - first});
     const int64_t token = cache.first_token(block_table, b) + first;
-    const C* k = cache.k + token * token_stride;
-    const C* v = cache.v + token * token_stride;
+    const Row *k, *v;
+    int64_t row_stride = token_stride;
+    if constexpr (kAsPairs) {
+#if defined(__AVX512BF16__)
+      for (int t = 0; t < n; ++t)
+        for (int d = 0; d < HEAD_DIM; d += 32) {
+          widen_pairs(cache.k + (token + t) * token_stride + d, widened[t] + d);
+          widen_pairs(cache.v + (token + t) * token_stride + d, widened[16 + t] + d);
+        }
+#endif
+      k = widened[0], v = widened[16], row_stride = HEAD_DIM;
+    } else {
+      k = cache.k + token * token_stride, v = cache.v + token * token_stride;
+    }
     if (first == 0 && start + block_size < seq_len) cache.prefetch(block_table, b + 1, HEAD_DIM);
     const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     __m512 score_scale = _mm512_set1_ps(scale), value_scale = _mm512_set1_ps(1.f);
@@ -201,10 +222,10 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
       __m512 q_wide[kVectors], partial[16];
       for (int c = 0; c < kVectors; ++c) q_wide[c] = load16(q_row + 16 * c);
       if (n == 16) {  // the common case, unrolled without a test per key
-        for (int t = 0; t < 16; ++t) partial[t] = dot16<T, C, HEAD_DIM>(q_row, q_wide, k + t * token_stride);
+        for (int t = 0; t < 16; ++t) partial[t] = dot16<T, Row, HEAD_DIM>(q_row, q_wide, k + t * row_stride);
       } else {  // rows past n are never read: they may hold anything, NaN included
         for (int t = 0; t < 16; ++t)
-          partial[t] = t < n ? dot16<T, C, HEAD_DIM>(q_row, q_wide, k + t * token_stride) : _mm512_setzero_ps();
+          partial[t] = t < n ? dot16<T, Row, HEAD_DIM>(q_row, q_wide, k + t * row_stride) : _mm512_setzero_ps();
       }
       const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(kBelowEveryScore),
                                                  _mm512_mul_ps(sum_each(partial), score_scale));
@@ -220,14 +241,14 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
       l[h] = _mm512_add_ps(l[h], p_live);
     }
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<C, at::BFloat16>) {
-      add_value_pairs<HEAD_DIM, HEADS>(p, v, n, token_stride, sum);
+    if constexpr (std::is_same_v<Row, at::BFloat16>) {
+      add_value_pairs<HEAD_DIM, HEADS>(p, v, n, row_stride, sum);
       continue;
     }
 #endif
     for (int t = 0; t < n; ++t)
       for (int c = 0; c < kVectors; ++c) {
-        const __m512 value = load16(v + t * token_stride + 16 * c);
+        const __m512 value = load16(v + t * row_stride + 16 * c);
         for (int h = 0; h < HEADS; ++h) sum[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), value, sum[h][c]);
       }
   }

@@ -105,6 +105,11 @@ inline __m512bh load_pairs(const void* p) {
   return pairs;
 }
 inline __m512bh as_pairs(__m512i x) { return load_pairs(&x); }
+// 32 int8 values as 32 bfloat16, exactly.
+inline void widen_pairs(const int8_t* x, at::BFloat16* out) {
+  const __m512bh pairs = _mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // the second operand is the low half
+  std::memcpy(out, &pairs, sizeof(pairs));
+}
 #endif
 
 #if defined(__AVX512BW__)
