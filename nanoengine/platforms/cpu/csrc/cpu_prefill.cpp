@@ -210,8 +210,8 @@ class PrefillAttention {
     const auto row = [&](const C* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
     if constexpr (kQuantized) {
       float *key_scales = packed_scales(r, kv_head, block), *value_scales = key_scales + kKeyBlock;
-      for (int t = 0; t < kKeyBlock; ++t) {  // 0 past the context
-        key_scales[t] = t < n ? k_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
+      for (int t = 0; t < kKeyBlock; ++t) {  // 0 past the context; a key's with the softmax scale
+        key_scales[t] = t < n ? scale_ * k_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
         value_scales[t] = t < n ? v_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
       }
     }
@@ -221,6 +221,24 @@ class PrefillAttention {
       if (head_dim_ * sizeof(C) % 64 == 0) {
         for (; keys_done + 16 <= n; keys_done += 16) transpose_keys(row, keys_done, keys);
         for (; values_done + pair <= n; values_done += pair) pair_values(row, values_done, values);
+      }
+    } else if constexpr (kQuantized) {  // 16 rows at a time widened to Compute (exactly), then packed as above
+      if (head_dim_ * sizeof(Compute) % 64 == 0) {
+        std::vector<Compute> widened(16 * head_dim_);
+        const auto widened_row = [&](const C*, int t) -> const Compute* { return &widened[t % 16 * head_dim_]; };
+        const auto widen = [&](const C* cache, int first) {
+          for (int t = 0; t < 16; ++t)
+            for (int d = 0; d < head_dim_; d += 16)
+              store16(&widened[t * head_dim_ + d], load16(row(cache, first + t) + d));
+        };
+        for (; keys_done + 16 <= n; keys_done += 16) {
+          widen(k_cache_, keys_done);
+          transpose_keys(widened_row, keys_done, keys);
+        }
+        for (; values_done + 16 <= n; values_done += 16) {
+          widen(v_cache_, values_done);
+          for (int t = values_done; t < values_done + 16; t += pair) pair_values(widened_row, t, values);
+        }
       }
     }
 #endif
@@ -252,12 +270,12 @@ class PrefillAttention {
   // interleaved, each column's pair of keys together.
   template <typename Row>
   void pair_values(Row row, int first, Compute* values) const {
-    const C* v = row(v_cache_, first);
+    const auto* v = row(v_cache_, first);
     Compute* out = values + first * out_cols_;  // the row of pair first / 2, in elements
     if constexpr (kPair<Compute> == 1) {
       std::copy(v, v + head_dim_, out);
     } else {
-      const C* next = row(v_cache_, first + 1);
+      const auto* next = row(v_cache_, first + 1);
       for (int d = 0; d < head_dim_; d += 32) {
         const auto [low, high] = interleave_rows(_mm512_loadu_si512(v + d), _mm512_loadu_si512(next + d));
         _mm512_storeu_si512(out + 2 * d, low);
@@ -324,8 +342,8 @@ class PrefillAttention {
   }
 
   // One row's scores over the block's first ``visible`` keys (the rest are after its position) into P and
-  // its running max, sum and accumulator. An int8 cache's ``scales`` (the block's keys', then its values') scale
-  // each score, and each p as it goes into P (not into the sum).
+  // its running max, sum and accumulator. An int8 cache's ``scales`` (the block's keys' times the softmax scale,
+  // then its values') scale each score, and each p as it goes into P (not into the sum).
   void softmax_step(int row, int visible, int value_k, const float* scales, Workspace<Compute>& w) const {
     Compute* p = w.probs.get() + row * kKeyBlock;
     if (visible <= 0) {
@@ -336,10 +354,7 @@ class PrefillAttention {
 #if defined(__AVX512F__)
     const int chunks = (visible + 15) / 16;  // 16 keys at a time; lanes past ``visible`` count for nothing
     const auto live = [&](int c) { return __mmask16(16 * c + 16 <= visible ? 0xFFFF : (1u << visible % 16) - 1); };
-    const auto scale = [&](int c) {
-      const __m512 softmax_scale = _mm512_set1_ps(scale_);
-      return scales ? _mm512_mul_ps(softmax_scale, _mm512_loadu_ps(scales + 16 * c)) : softmax_scale;
-    };
+    const auto scale = [&](int c) { return scales ? _mm512_loadu_ps(scales + 16 * c) : _mm512_set1_ps(scale_); };
     __m512 most = _mm512_set1_ps(w.max[row]);
     for (int c = 0; c < chunks; ++c)
       most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale(c)));
@@ -361,7 +376,7 @@ class PrefillAttention {
     const float block_sum = _mm512_reduce_add_ps(sums);
     std::fill(p + std::min(16 * chunks, value_k), p + value_k, Compute(0));
 #else
-    const auto scale = [&](int t) { return scales ? scale_ * scales[t] : scale_; };
+    const auto scale = [&](int t) { return scales ? scales[t] : scale_; };
     float block_max = w.max[row];
     for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale(t));
     float block_sum = 0.f;
