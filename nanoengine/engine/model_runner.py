@@ -139,12 +139,13 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_scales = torch.zeros(shape[:-1] if quantized else (2, len(layers), 0), dtype=torch.float32,
                                      device=self.device)
-        gain = self.bytes_per_block(self.config.torch_dtype) / bytes_per_block
-        logger.info("KV cache: %d blocks, %.2f GiB%s%s", num_blocks,
-                    (self.kv_cache.nbytes + self.kv_scales.nbytes) / 2**30,
-                    f", int8 with float32 scales: {gain:.2f}x the blocks of {self.config.torch_dtype} in the same "
-                    "memory" if quantized else "",
-                    f", zeroed in {time.perf_counter() - start:.2f} s" if self.device.type == "cpu" else "")
+        details = f", zeroed in {time.perf_counter() - start:.2f} s" if self.device.type == "cpu" else ""
+        if quantized:
+            gain = self.bytes_per_block(self.config.torch_dtype) / bytes_per_block
+            details += (f"; int8 with float32 scales: {gain:.2f}x the blocks of {self.config.torch_dtype} "
+                        "in the same memory")
+        gib = (self.kv_cache.nbytes + self.kv_scales.nbytes) / 2**30
+        logger.info("KV cache: %d blocks, %.2f GiB%s", num_blocks, gib, details)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.k_scale, layer.v_scale, layer.backend = self.kv_scales[0, i], self.kv_scales[1, i], self.backend
