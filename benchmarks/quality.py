@@ -58,26 +58,29 @@ def perplexity(nlls: list[float]) -> float:
     return math.exp(sum(nlls) / len(nlls))
 
 
-def engine_perplexity(model: str, dtype: str, n_ctx: int = N_CTX, text: Path = TEXT, **llm_options) -> dict:
-    with LLM(model, dtype=dtype, max_model_len=n_ctx + 16, **llm_options) as llm:
+def engine_perplexity(model: str, dtype: str, n_ctx: int = N_CTX, text: Path = TEXT, kv_cache_dtype: str = "auto",
+                      **llm_options) -> dict:
+    with LLM(model, dtype=dtype, max_model_len=n_ctx + 16, kv_cache_dtype=kv_cache_dtype, **llm_options) as llm:
         context = llm.config.hf_config.max_position_embeddings
         if n_ctx > context:
             raise ValueError(f"n_ctx={n_ctx} is longer than the model's context ({context})")
         tokens, bos = text_tokens(llm.get_tokenizer(), text.read_text())
         nlls = engine_nlls(llm, tokens, n_ctx, bos)
-    return {"engine": f"nanoengine {dtype}", "perplexity": perplexity(nlls), "scored_tokens": len(nlls),
+    engine = f"nanoengine {dtype}" + (f", {kv_cache_dtype} KV cache" if kv_cache_dtype != "auto" else "")
+    return {"engine": engine, "perplexity": perplexity(nlls), "scored_tokens": len(nlls),
             "text_tokens": len(tokens)}
 
 
 def quality_preset(args) -> dict:
-    """Our perplexity in bfloat16 and float32, and llama.cpp's with its bf16 and Q8_0 files (once
-    `make llamacpp` has built them), on the same text and windows."""
+    """Our perplexity in bfloat16, float32 and bfloat16 with an int8 KV cache, and llama.cpp's with its bf16 and
+    Q8_0 files (once `make llamacpp` has built them), on the same text and windows."""
     from benchmarks.common import model_for
     from benchmarks.llamacpp import llamacpp_perplexities
 
     model = model_for(args)
     n_ctx = args.n_ctx or N_CTX
     runs = [engine_perplexity(model, dtype, n_ctx) for dtype in ("bfloat16", "float32")]
+    runs.append(engine_perplexity(model, "bfloat16", n_ctx, kv_cache_dtype="int8"))
     for run in runs:
         print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
     peers, tokens_note = llamacpp_perplexities(model, n_ctx, TEXT)
