@@ -60,11 +60,12 @@ def test_without_a_compiler_decodes_take_sdpa_and_match_the_oracle(case, dtype):
     check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel=None, num_drafts=NUM_DRAFTS.get(case))
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["plain", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 24, 32])  # the kernels' runs of 16 keys must stop at each block's end
 @pytest.mark.parametrize("case", ["many-decodes", "long-prompts"])
-def test_other_block_sizes_match_the_oracle(case, block_size, dtype, decode_kernel):
-    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel, block_size=block_size)
+def test_other_block_sizes_match_the_oracle(case, block_size, dtype, int8, decode_kernel):
+    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel, block_size=block_size, int8=int8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

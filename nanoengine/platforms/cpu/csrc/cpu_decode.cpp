@@ -196,8 +196,8 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
 #if defined(__AVX512BF16__)
       for (int t = 0; t < n; ++t)
         for (int d = 0; d < HEAD_DIM; d += 32) {
-          widen_pairs(cache.k + (token + t) * token_stride + d, widened[t] + d);
-          widen_pairs(cache.v + (token + t) * token_stride + d, widened[16 + t] + d);
+          widen32(cache.k + (token + t) * token_stride + d, widened[t] + d);
+          widen32(cache.v + (token + t) * token_stride + d, widened[16 + t] + d);
         }
 #endif
       k = widened[0], v = widened[16], row_stride = HEAD_DIM;

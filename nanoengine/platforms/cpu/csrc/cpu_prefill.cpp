@@ -208,11 +208,17 @@ class PrefillAttention {
       std::fill(values, values + kKeyBlock * out_cols_, Compute(0));
     }
     const auto row = [&](const C* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
-    if constexpr (kQuantized) {
+    if constexpr (kQuantized) {  // a key's scale times the softmax scale, a value's; 0 past the context
       float *key_scales = packed_scales(r, kv_head, block), *value_scales = key_scales + kKeyBlock;
-      for (int t = 0; t < kKeyBlock; ++t) {  // 0 past the context; a key's with the softmax scale
-        key_scales[t] = t < n ? scale_ * k_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
-        value_scales[t] = t < n ? v_scale_[slot(r, first_key + t) * num_kv_heads_ + kv_head] : 0.f;
+      std::fill(key_scales + n, key_scales + kKeyBlock, 0.f);
+      std::fill(value_scales + n, value_scales + kKeyBlock, 0.f);
+      for (int t = 0, run = 0; t < n; t += run) {  // runs of keys in one cache block: consecutive slots
+        const int64_t first = slot(r, first_key + t) * num_kv_heads_ + kv_head;
+        run = std::min(n - t, block_size_ - (first_key + t) % block_size_);
+        for (int i = 0; i < run; ++i) {
+          key_scales[t + i] = scale_ * k_scale_[first + i * num_kv_heads_];
+          value_scales[t + i] = v_scale_[first + i * num_kv_heads_];
+        }
       }
     }
     int keys_done = 0, values_done = 0;
@@ -223,13 +229,12 @@ class PrefillAttention {
         for (; values_done + pair <= n; values_done += pair) pair_values(row, values_done, values);
       }
     } else if constexpr (kQuantized) {  // 16 rows at a time widened to Compute (exactly), then packed as above
-      if (head_dim_ * sizeof(Compute) % 64 == 0) {
+      if (head_dim_ % 32 == 0) {
         std::vector<Compute> widened(16 * head_dim_);
         const auto widened_row = [&](const C*, int t) -> const Compute* { return &widened[t % 16 * head_dim_]; };
         const auto widen = [&](const C* cache, int first) {
           for (int t = 0; t < 16; ++t)
-            for (int d = 0; d < head_dim_; d += 16)
-              store16(&widened[t * head_dim_ + d], load16(row(cache, first + t) + d));
+            for (int d = 0; d < head_dim_; d += 32) widen32(row(cache, first + t) + d, &widened[t * head_dim_ + d]);
         };
         for (; keys_done + 16 <= n; keys_done += 16) {
           widen(k_cache_, keys_done);

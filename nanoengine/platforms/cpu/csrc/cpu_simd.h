@@ -105,10 +105,19 @@ inline __m512bh load_pairs(const void* p) {
   return pairs;
 }
 inline __m512bh as_pairs(__m512i x) { return load_pairs(&x); }
-// 32 int8 values as 32 bfloat16, exactly.
-inline void widen_pairs(const int8_t* x, at::BFloat16* out) {
-  const __m512bh pairs = _mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // the second operand is the low half
-  std::memcpy(out, &pairs, sizeof(pairs));
+#endif
+
+// 32 int8 values widened to float32 or (with AVX512-BF16, where the kernels multiply bfloat16) to bfloat16,
+// exactly: every integer up to 256 is a bfloat16. In whole 64-byte stores, so that a later 64-byte load of them
+// is forwarded from the store rather than stalled.
+inline void widen32(const int8_t* x, float* out) {
+  store16(out, load16(x));
+  store16(out + 16, load16(x + 16));
+}
+#if defined(__AVX512BF16__)
+inline void widen32(const int8_t* x, at::BFloat16* out) {
+  const __m512bh both = _mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // the second operand is the low half
+  std::memcpy(out, &both, sizeof(both));
 }
 #endif
 
