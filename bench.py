@@ -78,7 +78,8 @@ def throughput_preset(args) -> dict:
     if "llamacpp" in args.compare:  # llama.cpp runs its own workload: llama-batched-bench's
         return compare_llamacpp(model_for(args), workload.dtype)
     return run_throughput(args.preset, workload, model_for(args), args.compare, args.rounds,
-                          enforce_eager=args.enforce_eager, quantization=args.quantization)
+                          enforce_eager=args.enforce_eager, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype)
 
 
 def run_throughput(preset: str, workload: Workload, model: str, peers: set[str], rounds: int = 1,
@@ -230,6 +231,8 @@ def parse_args(argv=None):
                         help="gpu/cpu: our engine's weights in int8 (docs/quantization.md; the peers' stay in dtype)")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="gpu/cpu: our KV cache's dtype (docs/kv-cache-quantization.md)")
     parser.add_argument("--num-prompts", type=int, help="serve: how many requests per load (default: per load)")
     parser.add_argument("--request-rate", type=float,
                         help="serve: one load at this Poisson rate (inf: all at once) instead of the preset's two")

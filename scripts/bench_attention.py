@@ -132,8 +132,10 @@ def bench_one(backend: ModuleType, shape: Shape, batch: int, context_len: int, d
     out = torch.empty_like(b.q)
     q_sdpa = b.q.unsqueeze(2)  # [batch, heads, 1, dim]: one query per request sees its whole context
 
+    no_scales = torch.empty(0, device=device)  # a cache in the model's dtype has none
+
     def triton_call():
-        backend.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, out=out)
+        backend.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, no_scales, no_scales, out=out)
 
     def sdpa_call():
         return F.scaled_dot_product_attention(q_sdpa, b.k, b.v, scale=scale, enable_gqa=True)

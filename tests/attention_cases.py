@@ -19,10 +19,13 @@ class Step(NamedTuple):
     k_cache: torch.Tensor  # random everywhere, so cached prefixes (and unowned blocks) hold data
     v_cache: torch.Tensor
     meta: AttentionMetadata
+    k_scale: torch.Tensor  # an int8 cache's scales [num_blocks, block_size, num_kv_heads], random; else empty
+    v_scale: torch.Tensor
 
 
-def make_step(requests, group, head_dim, dtype, device, seed, block_size=BLOCK_SIZE) -> Step:
-    """A random step for requests given as (cached_len, query_len), in a cache of ``block_size``-token blocks.
+def make_step(requests, group, head_dim, dtype, device, seed, block_size=BLOCK_SIZE, cache_dtype=None) -> Step:
+    """A random step for requests given as (cached_len, query_len), in a cache of ``block_size``-token blocks
+    of ``cache_dtype`` (``dtype`` by default; torch.int8 with random scales).
 
     Physical blocks are handed out in shuffled order, with spare blocks, so block tables are
     non-contiguous and the caches hold blocks nobody owns.
@@ -51,8 +54,13 @@ def make_step(requests, group, head_dim, dtype, device, seed, block_size=BLOCK_S
     # q and the new k, v are slices of one fused projection, as in the model.
     qkv = to(torch.randn(num_tokens, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen))
     q, k, v = qkv.split([num_heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
-    k_cache = to(torch.randn(cache_shape, generator=gen))
-    v_cache = to(torch.randn(cache_shape, generator=gen))
+    k_cache, v_cache = (to(torch.randn(cache_shape, generator=gen)) for _ in range(2))
+    k_scale = v_scale = torch.empty(0, device=device)
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = (torch.randint(-127, 128, cache_shape, generator=gen, dtype=torch.int8).to(device)
+                            for _ in range(2))
+        # Dequantized values up to about 3, as a model's K and V (absmax / 127 per token and head).
+        k_scale, v_scale = ((torch.rand(cache_shape[:3], generator=gen) * 0.025).to(device) for _ in range(2))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
@@ -63,4 +71,4 @@ def make_step(requests, group, head_dim, dtype, device, seed, block_size=BLOCK_S
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )
-    return Step(q, k, v, k_cache, v_cache, meta)
+    return Step(q, k, v, k_cache, v_cache, meta, k_scale, v_scale)

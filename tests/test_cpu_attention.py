@@ -27,13 +27,14 @@ NUM_DRAFTS = {"drafts": [4, 1, 7, 0, 0, 8]}  # per request of the case: how many
 
 
 def poison_unowned_slots(step) -> None:
-    """NaN in every cache slot outside the requests' contexts: a backend that reads one fails."""
+    """NaN in every cache slot outside the requests' contexts (in an int8 cache, in its scales): a backend that
+    reads one fails."""
     block_size = step.k_cache.shape[1]
     owned = torch.zeros(step.k_cache.shape[:2], dtype=torch.bool).flatten()
     for i, seq_len in enumerate(step.meta.seq_lens_cpu):
         for pos in range(seq_len):
             owned[int(step.meta.block_tables[i, pos // block_size]) * block_size + pos % block_size] = True
-    for cache in (step.k_cache, step.v_cache):
+    for cache in (step.k_scale, step.v_scale) if step.k_cache.dtype == torch.int8 else (step.k_cache, step.v_cache):
         cache.flatten(0, 1)[~owned] = float("nan")
 
 
@@ -59,25 +60,49 @@ def test_without_a_compiler_decodes_take_sdpa_and_match_the_oracle(case, dtype):
     check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel=None, num_drafts=NUM_DRAFTS.get(case))
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["plain", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 24, 32])  # the kernels' runs of 16 keys must stop at each block's end
 @pytest.mark.parametrize("case", ["many-decodes", "long-prompts"])
-def test_other_block_sizes_match_the_oracle(case, block_size, dtype, decode_kernel):
-    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel, block_size=block_size)
+def test_other_block_sizes_match_the_oracle(case, block_size, dtype, int8, decode_kernel):
+    check_against_oracle(CASES[case], 3, 64, dtype, decode_kernel, block_size=block_size, int8=int8)
 
 
-def check_against_oracle(requests, group, head_dim, dtype, decode_kernel, num_drafts=None, block_size=BLOCK_SIZE):
-    step = make_step(requests, group, head_dim, dtype, "cpu", seed=group + head_dim, block_size=block_size)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_int8_cache_matches_the_oracle_on_the_same_bytes(case, group, head_dim, dtype, decode_kernel):
+    check_against_oracle(CASES[case], group, head_dim, dtype, decode_kernel, NUM_DRAFTS.get(case), int8=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_int8_cache_without_a_compiler_is_dequantized_for_sdpa(case):
+    check_against_oracle(CASES[case], 3, 64, torch.bfloat16, None, NUM_DRAFTS.get(case), int8=True)
+
+
+def check_against_oracle(requests, group, head_dim, dtype, decode_kernel, num_drafts=None, block_size=BLOCK_SIZE,
+                         int8=False):
+    """The backend's store_kv and paged_attention against the oracle's, from the same cache; an int8 cache must
+    hold the oracle's bytes and scales after both stores, and the oracle attends in float32 over it."""
+    step = make_step(requests, group, head_dim, dtype, "cpu", seed=group + head_dim, block_size=block_size,
+                     cache_dtype=torch.int8 if int8 else None)
     step.meta.num_drafts = num_drafts
     poison_unowned_slots(step)
     scale = 64 ** -0.5
-    expected_k, expected_v = step.k_cache.float(), step.v_cache.float()
-    torch_backend.store_kv(step.k.float(), step.v.float(), expected_k, expected_v, step.meta.slot_mapping)
-    expected = torch_backend.paged_attention(step.q.float(), expected_k, expected_v, step.meta, scale)
+    cache = [step.k_cache, step.v_cache, step.k_scale, step.v_scale]
+    expected_cache = [t.clone() if int8 else t.float() for t in cache]
+    torch_backend.store_kv(step.k.float(), step.v.float(), *expected_cache[:2], step.meta.slot_mapping,
+                           *expected_cache[2:])
+    expected = torch_backend.paged_attention(step.q.float(), *expected_cache[:2], step.meta, scale,
+                                             *expected_cache[2:])
 
     backend = cpu_backend.CpuBackend(decode_kernel)
-    backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
-    out = backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, scale)
+    backend.store_kv(step.k, step.v, *cache[:2], step.meta.slot_mapping, *cache[2:])
+    out = backend.paged_attention(step.q, *cache[:2], step.meta, scale, *cache[2:])
+    if int8:
+        for stored, expected_part in zip(cache, expected_cache):
+            torch.testing.assert_close(stored, expected_part, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -106,13 +131,15 @@ def test_two_engines_in_one_process_share_no_attention_backend(sharp_tiny_model)
 def test_the_decode_kernel_writes_exactly_the_decode_rows(decode_kernel):
     step = make_step(CASES["mixed"], 3, 64, torch.float32, "cpu", seed=7)
     poison_unowned_slots(step)
-    torch_backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    no_scales = torch.empty(0)
+    torch_backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping, no_scales, no_scales)
     backend = cpu_backend.CpuBackend(decode_kernel)
     plan = backend.decode_plan(step.meta)
     out = torch.full_like(step.q, float("nan")).contiguous()
-    decode_kernel.decode_attention(step.q.contiguous(), step.k_cache, step.v_cache, plan.block_tables,
-                                   plan.seq_lens, plan.rows, 0.125, out)
-    expected = torch_backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, 0.125)
+    decode_kernel.decode_attention(step.q.contiguous(), step.k_cache, step.v_cache, no_scales, no_scales,
+                                   plan.block_tables, plan.seq_lens, plan.rows, 0.125, out)
+    expected = torch_backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, 0.125, no_scales,
+                                             no_scales)
     written = torch.zeros(len(out), dtype=torch.bool)
     written[plan.rows] = True
     assert plan.rows.tolist() == [0, 44, 77]  # the three requests of "mixed" with one query row
@@ -130,13 +157,14 @@ def test_the_kernel_stores_kv_as_torch_does_skipping_padding_rows(dtype, decode_
     k, v = (x.view(num_tokens, num_kv_heads, head_dim) for x in (k, v))
     slots = torch.tensor([5, -1, 0, 63, 17, -1, 18, 40, 2])
     caches = [torch.full((4, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
-    torch_backend.store_kv(k, v, caches[0], caches[1], slots)
-    decode_kernel.store_kv(k, v, caches[2], caches[3], slots)
+    no_scales = torch.empty(0)
+    torch_backend.store_kv(k, v, caches[0], caches[1], slots, no_scales, no_scales)
+    decode_kernel.store_kv(k, v, caches[2], caches[3], slots, no_scales, no_scales)
     for expected, stored in ((caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(stored, expected, atol=0, rtol=0, equal_nan=True)
     assert caches[2].flatten(0, 1)[slots[slots >= 0]].isfinite().all()
     with pytest.raises(RuntimeError, match="slot 64 is outside the cache"):
-        decode_kernel.store_kv(k, v, caches[2], caches[3], torch.full((num_tokens,), 64))
+        decode_kernel.store_kv(k, v, caches[2], caches[3], torch.full((num_tokens,), 64), no_scales, no_scales)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_decodes_to_sdpa(monkeypatch, caplog):
@@ -151,13 +179,16 @@ def test_a_kernel_that_cannot_be_built_leaves_decodes_to_sdpa(monkeypatch, caplo
 def test_the_kernel_refuses_mismatched_inputs(decode_kernel):
     step = make_step(CASES["mixed"], 3, 64, torch.float32, "cpu", seed=3)
     plan = cpu_backend.CpuBackend(decode_kernel).decode_plan(step.meta)
-    q, out = step.q.contiguous(), torch.empty_like(step.q.contiguous())
+    q, out, none = step.q.contiguous(), torch.empty_like(step.q.contiguous()), torch.empty(0)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        decode_kernel.decode_attention(q, step.k_cache.bfloat16(), step.v_cache.bfloat16(), plan.block_tables,
-                                       plan.seq_lens, plan.rows, 0.125, out)
+        decode_kernel.decode_attention(q, step.k_cache.bfloat16(), step.v_cache.bfloat16(), none, none,
+                                       plan.block_tables, plan.seq_lens, plan.rows, 0.125, out)
     with pytest.raises(RuntimeError, match="int32 block tables"):
-        decode_kernel.decode_attention(q, step.k_cache, step.v_cache, plan.block_tables.long(), plan.seq_lens,
-                                       plan.rows, 0.125, out)
+        decode_kernel.decode_attention(q, step.k_cache, step.v_cache, none, none, plan.block_tables.long(),
+                                       plan.seq_lens, plan.rows, 0.125, out)
+    with pytest.raises(RuntimeError, match="an int8 cache takes float32 scales"):
+        decode_kernel.decode_attention(q, step.k_cache.to(torch.int8), step.v_cache.to(torch.int8), none, none,
+                                       plan.block_tables, plan.seq_lens, plan.rows, 0.125, out)
 
 
 def test_the_cpu_backend_is_refused_on_cuda():

@@ -95,6 +95,12 @@ def test_the_layers_in_one_call_add_every_attention_bias(tmp_path, smollm2_dir):
                              "float32")
 
 
+@pytest.mark.parametrize("tiny_model", ["llama", "qwen3"], indirect=True)
+def test_the_layers_in_one_call_read_and_write_an_int8_cache(tiny_model):
+    _, folder, hf_model = tiny_model
+    assert check_layers_in_one_call(folder, hf_model, "float32", kv_cache_dtype="int8") >= {"decode", "prompt"}
+
+
 @pytest.mark.parametrize("tiny_model", ["qwen3"], indirect=True)
 def test_the_layers_in_one_call_verify_drafts(tiny_model):
     """The tiny Qwen3's greedy tokens soon repeat, so the n-gram proposer drafts."""
@@ -123,11 +129,14 @@ def check_layers_in_one_call(folder: str, hf_model, dtype: str, prompts: list[li
         run, kinds = one_call.run, set()
 
         def forward_both_ways(input_ids, positions, meta):
-            cache_before = runner.kv_cache.clone()
+            caches = (runner.kv_cache, runner.kv_scales)  # the scales: empty unless the cache is int8
+            before = [cache.clone() for cache in caches]
             hidden = run(input_ids, positions, meta)
-            cache_after, _ = runner.kv_cache.clone(), runner.kv_cache.copy_(cache_before)
+            after = [cache.clone() for cache in caches]
+            for cache, old in zip(caches, before):
+                cache.copy_(old)
             assert torch.equal(runner.model(input_ids, positions, meta), hidden)
-            assert torch.equal(runner.kv_cache, cache_after)
+            assert all(torch.equal(cache, new) for cache, new in zip(caches, after))
             starts, drafts = meta.query_start_loc_cpu, meta.num_drafts
             kinds.update("decode" if b - a == 1 + d else "prompt" for a, b, d in zip(starts, starts[1:], drafts))
             kinds.update(["drafts"] * any(drafts))
@@ -135,7 +144,7 @@ def check_layers_in_one_call(folder: str, hf_model, dtype: str, prompts: list[li
 
         one_call.run = forward_both_ways
         prompts = prompts or prompts_of_different_lengths()
-        if dtype == "float32":
+        if dtype == "float32" and "kv_cache_dtype" not in options:
             check_against_transformers(llm, hf_model, prompts)
         else:
             llm.generate(prompts, GREEDY, use_tqdm=False)

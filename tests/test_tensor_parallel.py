@@ -71,6 +71,16 @@ def test_two_ranks_give_the_same_tokens_as_one(tiny_dirs, arch):
     assert not dist.is_initialized()
 
 
+def test_two_ranks_with_an_int8_cache_give_the_same_tokens_as_one(tiny_dirs):
+    """Each rank holds its KV heads' int8 cache and scales."""
+    with LLM(tiny_dirs["llama"], kv_cache_dtype="int8", **SMALL_ENGINE) as llm:
+        expected_tokens, expected_logprobs = generate_twice(llm)
+    with LLM(tiny_dirs["llama"], tensor_parallel_size=2, kv_cache_dtype="int8", **SMALL_ENGINE) as llm:
+        tokens, logprobs = generate_twice(llm)
+    assert tokens == expected_tokens
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+
+
 def test_collected_engine_stops_its_workers_and_a_new_one_starts(tiny_dirs):
     llm = LLM(tiny_dirs["qwen3"], tensor_parallel_size=2, **SMALL_ENGINE)
     workers = workers_of(llm)

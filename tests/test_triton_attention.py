@@ -84,19 +84,26 @@ def run_on(device: str, request: pytest.FixtureRequest, check) -> None:
         check()
 
 
-def check_attention(device, dtype, requests, group, head_dim, num_kv_splits, seed=0):
-    """One step through the Triton backend (store this step's K/V, then attend) against the oracle in fp32."""
-    step = make_step(requests, group, head_dim, dtype, device, seed)
+def check_attention(device, dtype, requests, group, head_dim, num_kv_splits, seed=0, int8=False):
+    """One step through the Triton backend (store this step's K/V, then attend) against the oracle in fp32; an
+    int8 cache must hold the oracle's bytes and scales after both stores."""
+    step = make_step(requests, group, head_dim, dtype, device, seed, cache_dtype=torch.int8 if int8 else None)
     scale = head_dim ** -0.5
-    expected_k_cache, expected_v_cache = step.k_cache.float(), step.v_cache.float()
-    torch_backend.store_kv(step.k.float(), step.v.float(), expected_k_cache, expected_v_cache, step.meta.slot_mapping)
-    expected = torch_backend.paged_attention(step.q.float(), expected_k_cache, expected_v_cache, step.meta, scale)
+    cache = [step.k_cache, step.v_cache, step.k_scale, step.v_scale]
+    expected_cache = [t.clone() if int8 else t.float() for t in cache]
+    torch_backend.store_kv(step.k.float(), step.v.float(), *expected_cache[:2], step.meta.slot_mapping,
+                           *expected_cache[2:])
+    expected = torch_backend.paged_attention(step.q.float(), *expected_cache[:2], step.meta, scale,
+                                             *expected_cache[2:])
 
-    triton_backend.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.meta.slot_mapping)
+    triton_backend.store_kv(step.k, step.v, *cache[:2], step.meta.slot_mapping, *cache[2:])
     out = torch.full_like(step.q, float("nan"))  # any element the kernel fails to write stays NaN
-    result = triton_backend.paged_attention(step.q, step.k_cache, step.v_cache, step.meta, scale, out=out,
+    result = triton_backend.paged_attention(step.q, *cache[:2], step.meta, scale, *cache[2:], out=out,
                                             num_kv_splits=num_kv_splits)
     assert result is out
+    if int8:
+        for stored, expected_part in zip(cache, expected_cache):
+            torch.testing.assert_close(stored, expected_part, atol=0, rtol=0)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
@@ -112,8 +119,9 @@ def check_store_kv(device, dtype, head_dim):
     k_cache, v_cache = poisoned.clone(), poisoned.clone()
     expected_k, expected_v = poisoned.clone(), poisoned.clone()
 
-    triton_backend.store_kv(k, v, k_cache, v_cache, slot_mapping)
-    torch_backend.store_kv(k, v, expected_k, expected_v, slot_mapping)
+    no_scales = torch.empty(0, device=device)
+    triton_backend.store_kv(k, v, k_cache, v_cache, slot_mapping, no_scales, no_scales)
+    torch_backend.store_kv(k, v, expected_k, expected_v, slot_mapping, no_scales, no_scales)
     # Written slots match exactly; the slots nobody wrote are still NaN.
     torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0, equal_nan=True)
@@ -136,6 +144,13 @@ def test_long_decodes_head_dim_128(device, dtype, num_kv_splits, request):
 @pytest.mark.parametrize("num_kv_splits", [1, 2], ids=["split-off", "split-2"])
 def test_single_chunk(device, dtype, num_kv_splits, request):
     run_on(device, request, lambda: check_attention(device, dtype, SINGLE_CHUNK, 1, 128, num_kv_splits))
+
+
+@pytest.mark.parametrize("device, dtype", [pytest.param("cpu", torch.float16, id="cpu-fp16"),
+                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=needs_cuda)])
+@pytest.mark.parametrize("num_kv_splits", [1, 3], ids=["split-off", "split-3"])
+def test_an_int8_cache_is_stored_as_the_oracle_stores_it_and_attended(device, dtype, num_kv_splits, request):
+    run_on(device, request, lambda: check_attention(device, dtype, MIXED_BATCH, 2, 64, num_kv_splits, int8=True))
 
 
 @pytest.mark.parametrize("device, dtype", device_dtypes())

@@ -12,6 +12,10 @@ Split-KV (flash-decoding): when a decode batch has too few (request, KV head) pr
 device, the key range is split across programs; each writes a partial (max, sum, accumulator) and a
 small second kernel merges them.
 
+An int8 cache (``kv_cache_dtype="int8"``, the layout of torch_backend's docstring): the store kernel quantizes
+each token's head vector as torch_backend.quantize does, and the attention kernel dequantizes each K and V tile
+(int8 widened, times its tokens' scales) into q's dtype before its dot products.
+
 Grid planning reads only host values (shapes and the metadata's host lists), never device tensors.
 """
 
@@ -32,13 +36,32 @@ MAX_SPLIT_QUERY_LEN = 1     # auto split-KV only for decode-only batches
 MIN_KEYS_PER_SPLIT = 256    # below this a split costs more to merge than it saves
 MAX_KV_SPLITS = 64
 CPU_TARGET_PROGRAMS = 64    # no SM count to ask for off-GPU (the interpreter); results don't depend on it
+ROUNDING_SHIFT = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + this - this rounds |x| < 2**22 to an integer, half to even
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+def _quantized(x):
+    """x (one head vector) as torch_backend.quantize makes it: int8 values round(x / s) and s = absmax / 127."""
+    x = x.to(tl.float32)
+    scale = tl.max(tl.abs(x), axis=0) / 127.0
+    quotient = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0) + tl.zeros_like(x))  # IEEE division, as torch's
+    rounded = (quotient + ROUNDING_SHIFT) - ROUNDING_SHIFT
+    return tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
+def _store_row(x, cache_ptr, offsets, scale_ptr, scale_offset, QUANTIZED: tl.constexpr):
+    if QUANTIZED:
+        x, scale = _quantized(x)
+        tl.store(scale_ptr + scale_offset, scale)
+    tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cache_slot, stride_cache_head,
-                     HEAD_DIM: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -46,25 +69,27 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         return  # a padding token: nothing to store
     dims = tl.arange(0, HEAD_DIM)
     cache_offsets = slot * stride_cache_slot + head * stride_cache_head + dims
+    scale_offset = slot * tl.num_programs(1) + head  # scales: [slots, num_kv_heads]
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims)
-    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty))
-    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty))
+    _store_row(k, k_cache_ptr, cache_offsets, k_scale_ptr, scale_offset, QUANTIZED)
+    _store_row(v, v_cache_ptr, cache_offsets, v_scale_ptr, scale_offset, QUANTIZED)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K and V ([num_tokens, num_kv_heads, head_dim]) at its slot."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Write each new token's K and V ([num_tokens, num_kv_heads, head_dim]) at its slot (quantized, with their
+    scales, in an int8 cache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_cache(k_cache, v_cache)
+    quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
     _store_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim)
+        HEAD_DIM=head_dim, QUANTIZED=quantized)
 
 
 @triton.jit
@@ -88,14 +113,14 @@ def _find_request(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
         part_max_ptr, part_sum_ptr, part_acc_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
         num_seqs, num_tokens, num_heads, scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_KV: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT_KV: tl.constexpr, QUANTIZED: tl.constexpr):
     """One program: one query tile of one request, one KV head, one split of the keys.
 
     A worked example: three requests with query lengths 1, 5 and 17 (a decode, a short prompt, a
@@ -166,6 +191,12 @@ def _paged_attention_kernel(
         kv_ptrs = kv_offsets[:, None] + dims[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
+        if QUANTIZED:  # scales: [blocks, BLOCK_SIZE, num_kv_heads]
+            scale_offsets = (block * BLOCK_SIZE + key_pos % BLOCK_SIZE) * tl.num_programs(1) + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=key_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=key_valid, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         # ieee: exact fp32 products when the cache is fp32; bf16/fp16 inputs are unaffected.
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -213,8 +244,8 @@ def _merge_splits_kernel(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, out: torch.Tensor | None = None,
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, *, out: torch.Tensor | None = None,
                     num_kv_splits: int | None = None) -> torch.Tensor:
     """Causal attention of every query row ([num_tokens, num_heads, head_dim]) over its own context.
 
@@ -223,7 +254,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    _check_cache(k_cache, v_cache)
+    quantized = _check_cache(k_cache, v_cache, k_scale, v_scale)
     assert q.stride(2) == 1, "head_dim must be contiguous"
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert num_heads % num_kv_heads == 0
@@ -251,13 +282,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_max = part_sum = part_acc = out  # unused: SPLIT_KV=False compiles the partial stores away
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, out, part_max, part_sum, part_acc,
+        q, k_cache, v_cache, k_scale, v_scale, out, part_max, part_sum, part_acc,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.num_seqs, num_tokens, num_heads, scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT_KV=split_kv)
+        BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT_KV=split_kv, QUANTIZED=quantized)
     if split_kv:
         _merge_splits_kernel[(num_real_tokens, num_heads)](
             out, part_max, part_sum, part_acc, num_tokens, num_heads, num_kv_splits,
@@ -290,6 +321,12 @@ def _cuda_target_programs(device_index: int) -> int:
     return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
+    """True for an int8 cache, whose scales must be contiguous [blocks, block_size, kv_heads]."""
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(3) == 1, "head_dim must be contiguous"
+    quantized = k_cache.dtype == torch.int8
+    if quantized:
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous() \
+            and v_scale.is_contiguous() and k_scale.dtype == torch.float32, "an int8 cache needs its scales"
+    return quantized

@@ -88,6 +88,7 @@ class ModelRunner:
         self.config = config
         self.device = rank_device(config.device, rank, config.tensor_parallel_size, config.ranks_per_node)
         self.block_size = config.kvcache_block_size
+        self.kv_cache_dtype = torch.int8 if config.kv_cache_dtype == "int8" else config.torch_dtype
         # What the device adds to the plain model: on the CPU, its C++ kernels (platforms/cpu/).
         self.platform = platform_for(self.device, config.attention_backend, config.quantization)
         self.backend = self.platform.attention_backend(config.attention_backend)
@@ -123,24 +124,39 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         layers = self.attention_layers()
         first = layers[0]
-        bytes_per_block = (2 * len(layers) * self.block_size * first.num_kv_heads * first.head_dim
-                           * self.config.torch_dtype.itemsize)
+        bytes_per_block = self.bytes_per_block(self.kv_cache_dtype)
         num_blocks = self.config.num_kvcache_blocks or self.blocks_that_fit(bytes_per_block)
         num_blocks = min_over_ranks(num_blocks, self.device)  # every rank's cache holds the same block ids
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens, "
                              "raise gpu_memory_utilization, or set num_kvcache_blocks")
         shape = (2, len(layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        quantized = self.kv_cache_dtype == torch.int8
         # zeros(), not empty(), on the CPU too (as vLLM does): every page of the cache is faulted in now, at
         # start, not on its first write in the middle of a step (a page fault costs microseconds on a VM), and a
         # cache larger than the free memory shows at start.
         start = time.perf_counter()
-        self.kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        logger.info("KV cache: %d blocks, %.2f GiB%s", num_blocks, self.kv_cache.nbytes / 2**30,
-                    f", zeroed in {time.perf_counter() - start:.2f} s" if self.device.type == "cpu" else "")
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_scales = torch.zeros(shape[:-1] if quantized else (2, len(layers), 0), dtype=torch.float32,
+                                     device=self.device)
+        details = f", zeroed in {time.perf_counter() - start:.2f} s" if self.device.type == "cpu" else ""
+        if quantized:
+            gain = self.bytes_per_block(self.config.torch_dtype) / bytes_per_block
+            details += (f"; int8 with float32 scales: {gain:.2f}x the blocks of {self.config.torch_dtype} "
+                        "in the same memory")
+        gib = (self.kv_cache.nbytes + self.kv_scales.nbytes) / 2**30
+        logger.info("KV cache: %d blocks, %.2f GiB%s", num_blocks, gib, details)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], self.backend
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.k_scale, layer.v_scale, layer.backend = self.kv_scales[0, i], self.kv_scales[1, i], self.backend
         return num_blocks
+
+    def bytes_per_block(self, cache_dtype: torch.dtype) -> int:
+        """A block's bytes over every layer, K and V; an int8 cache also holds a float32 scale per token and KV
+        head."""
+        layers = self.attention_layers()
+        bytes_per_head = layers[0].head_dim * cache_dtype.itemsize + (4 if cache_dtype == torch.int8 else 0)
+        return 2 * len(layers) * self.block_size * layers[0].num_kv_heads * bytes_per_head
 
     def blocks_that_fit(self, bytes_per_block: int) -> int:
         # Never more than every sequence at full length could use.
@@ -186,15 +202,18 @@ class ModelRunner:
         for layer in self.attention_layers():
             if not layer.k_cache.numel():
                 layer.k_cache = layer.v_cache = torch.zeros(1, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                                            dtype=self.config.torch_dtype, device=self.device)
+                                                            dtype=self.kv_cache_dtype, device=self.device)
+                layer.k_scale = layer.v_scale = torch.zeros(
+                    (1, self.block_size, layer.num_kv_heads) if self.kv_cache_dtype == torch.int8 else (0,),
+                    dtype=torch.float32, device=self.device)
                 layer.backend = self.backend
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         return input_ids, torch.zeros_like(input_ids), meta
 
     def close(self) -> None:
         for layer in self.attention_layers():
-            layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache = torch.empty(0)
+            layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = torch.empty(0)
+        self.kv_cache = self.kv_scales = torch.empty(0)
         self.fast_path = None
 
     # One step ------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@
   kernel multiplies bfloat16 far below a bfloat16 GEMM's rate there: docs/cpu.md has the figures).
 - New K and V rows go into the cache through the extension's ``store_kv`` (one pass, no index_put and no
   padding check in torch ops).
+- An int8 cache (docs/kv-cache-quantization.md): ``store_kv`` quantizes each token's head vector as the oracle
+  does, to the same bytes; both kernels read 8 bits and widen them in registers.
 - Without the extension (no C++ compiler) every request takes one SDPA call: correct, but several times slower,
   and torch_backend's store_kv.
 
@@ -68,26 +70,28 @@ class CpuBackend:
         self.planned: tuple[AttentionMetadata | None, DecodePlan | None, PrefillPlan | None] = (None, None, None)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        (self.kernels or torch_backend).store_kv(k, v, k_cache, v_cache, slot_mapping)
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        (self.kernels or torch_backend).store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
         """Causal attention of every query row ([num_tokens, num_heads, head_dim]) over its own context."""
         out = torch.empty(q.shape, dtype=q.dtype)
         if self.kernels is None:
             starts = meta.query_start_loc_cpu
             for i, seq_len in enumerate(meta.seq_lens_cpu):
                 rows = slice(starts[i], starts[i + 1])
-                k = gather_context(k_cache, meta.block_tables[i], seq_len)
-                v = gather_context(v_cache, meta.block_tables[i], seq_len)
+                # An int8 cache's context comes back dequantized to float32; SDPA takes q's dtype.
+                k = gather_context(k_cache, meta.block_tables[i], seq_len, k_scale).to(q.dtype)
+                v = gather_context(v_cache, meta.block_tables[i], seq_len, v_scale).to(q.dtype)
                 out[rows] = flash_attend(q[rows], k, v, seq_len - (starts[i + 1] - starts[i]), scale)
             return out
         decodes, prompts = self.decode_plan(meta), self.prefill_plan(meta)
+        caches = (k_cache, v_cache, k_scale, v_scale)
         if decodes is not None:
-            self.kernels.decode_attention(q, k_cache, v_cache, *decodes.kernel_args(), scale, out)
+            self.kernels.decode_attention(q, *caches, *decodes.kernel_args(), scale, out)
         if prompts is not None:
-            self.kernels.prefill_attention(q, k_cache, v_cache, *prompts.kernel_args(), scale, out)
+            self.kernels.prefill_attention(q, *caches, *prompts.kernel_args(), scale, out)
         return out
 
     def decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nanoengine.attention.metadata import AttentionMetadata
+from nanoengine.layers.attention import Attention
 from nanoengine.models.llama import DecoderLayer
 from nanoengine.platforms.cpu.linear import ROW_BUCKETS, bucket_of, kernel_at
 
@@ -25,8 +26,7 @@ class LayersInOneCall:
         self.attention = layers[0].self_attn
         self.eps = layers[0].input_layernorm.eps
         self.weights = [weight for layer in layers for weight in layer_weights(layer)]
-        self.caches = [cache for layer in layers for cache in (layer.self_attn.attn.k_cache,
-                                                               layer.self_attn.attn.v_cache)]
+        self.caches = [cache for layer in layers for cache in layer_caches(layer.self_attn.attn)]
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.runs_at = [all(kernel_at(m.kernel_choice, bucket) == "avx512" for m in linears)
@@ -57,6 +57,11 @@ class LayersInOneCall:
             () if decodes is None else decodes.kernel_args(), () if prompts is None else prompts.kernel_args(),
             attention.num_heads, attention.num_kv_heads, attention.attn.scale, self.eps)
         return decoder.norm(hidden, residual)[0]
+
+
+def layer_caches(attn: Attention) -> list[torch.Tensor]:
+    """A layer's K and V caches and their scales (empty unless the cache is int8), in cpu_decoder.cpp's order."""
+    return [attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale]
 
 
 def layer_weights(layer: DecoderLayer) -> list[torch.Tensor | None]:

@@ -40,9 +40,10 @@ struct Step {  // what every layer's attention shares
 
 // DecoderAttention.forward: the o projection of the attention of x's q over the cache, after x's k and v are
 // stored. Its temporaries are freed on return, as the Python layer's are before the MLP.
-at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const Step& step) {
-  const int64_t tokens = x.size(0), head_dim = k_cache.size(-1);
+// ``cache``: the layer's K cache, V cache, K scales and V scales (empty unless the cache is int8).
+at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, const at::Tensor* cache,
+                     const Step& step) {
+  const int64_t tokens = x.size(0), head_dim = cache[0].size(-1);
   const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
   const at::Tensor qkv = linear_of(x, *w[kQkv], w[kQkvScale], w[kQkvBias]);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, step.num_heads, head_dim});
@@ -54,11 +55,12 @@ at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, co
   }
   rotary(q, step.cos, step.sin);
   rotary(k, step.cos, step.sin);
-  store_kv(k, v, k_cache, v_cache, step.slot_mapping);
+  store_kv(k, v, cache[0], cache[1], step.slot_mapping, cache[2], cache[3]);
   const at::Tensor attended = at::empty(q.sizes(), q.options());
   const std::vector<at::Tensor>&d = step.decodes, &p = step.prompts;
-  if (!d.empty()) decode_attention(q, k_cache, v_cache, d[0], d[1], d[2], step.scale, attended);
-  if (!p.empty()) prefill_attention(q, k_cache, v_cache, p[0], p[1], p[2], p[3], step.scale, attended);
+  if (!d.empty()) decode_attention(q, cache[0], cache[1], cache[2], cache[3], d[0], d[1], d[2], step.scale, attended);
+  if (!p.empty())
+    prefill_attention(q, cache[0], cache[1], cache[2], cache[3], p[0], p[1], p[2], p[3], step.scale, attended);
   return linear_of(attended.view({tokens, q_size}), *w[kO], w[kOScale], w[kOBias]);
 }
 
@@ -72,7 +74,7 @@ at::Tensor mlp(const at::Tensor& x, const c10::optional<at::Tensor>* w) {
 
 void check_weights(const std::vector<c10::optional<at::Tensor>>& weights, size_t num_layers) {
   TORCH_CHECK(num_layers > 0 && weights.size() == kPerLayer * num_layers,
-              "decoder_layers: at least one layer, ", int(kPerLayer), " weights and two caches a layer");
+              "decoder_layers: at least one layer, ", int(kPerLayer), " weights and four caches a layer");
   for (size_t layer = 0; layer < num_layers; ++layer) {
     const c10::optional<at::Tensor>* w = weights.data() + layer * kPerLayer;
     for (const Weight needed : {kInputNorm, kQkv, kO, kPostNorm, kGateUp, kDown})
@@ -84,7 +86,8 @@ void check_weights(const std::vector<c10::optional<at::Tensor>>& weights, size_t
 }  // namespace
 
 // hidden: the embeddings [tokens, hidden_size], which become the residual stream (updated in place, as the
-// Python layers update it); weights: kPerLayer a layer; caches: each layer's K and V cache; cos, sin: the rotation
+// Python layers update it); weights: kPerLayer a layer; caches: each layer's K and V cache and their scales
+// (empty unless the cache is int8); cos, sin: the rotation
 // of every token; decodes: decode_attention's (block_tables, seq_lens, rows) and prompts: prefill_attention's
 // (block_tables, first_rows, query_lens, seq_lens), either empty where the step has none. Returns the last
 // layer's output and the residual stream.
@@ -93,22 +96,22 @@ std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const std::vect
                                        const at::Tensor& sin, const at::Tensor& slot_mapping,
                                        const std::vector<at::Tensor>& decodes, const std::vector<at::Tensor>& prompts,
                                        int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
-  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2 && caches.size() % 2 == 0,
-              "decoder_layers: CPU hidden [tokens, hidden_size], two caches a layer");
-  check_weights(weights, caches.size() / 2);
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2 && caches.size() % 4 == 0,
+              "decoder_layers: CPU hidden [tokens, hidden_size], four caches a layer");
+  check_weights(weights, caches.size() / 4);
   TORCH_CHECK((decodes.size() == 3 || prompts.size() == 4) && (decodes.empty() || decodes.size() == 3) &&
                   (prompts.empty() || prompts.size() == 4),
               "decoder_layers: decode_attention's three plan tensors, prefill_attention's four, or both");
   const Step step{cos, sin, slot_mapping, decodes, prompts, num_heads, num_kv_heads, scale, eps};
   at::Tensor x = hidden, residual = hidden;
-  for (size_t layer = 0; layer < caches.size() / 2; ++layer) {
+  for (size_t layer = 0; layer < caches.size() / 4; ++layer) {
     const c10::optional<at::Tensor>* w = weights.data() + layer * kPerLayer;
     at::Tensor normed = at::empty_like(x);
     if (layer == 0)
       rms_norm(x, *w[kInputNorm], eps, normed);
     else
       add_rms_norm(x, residual, *w[kInputNorm], eps, normed);
-    const at::Tensor o = attention(normed, w, caches[2 * layer], caches[2 * layer + 1], step);
+    const at::Tensor o = attention(normed, w, caches.data() + 4 * layer, step);
     normed = at::empty_like(o);
     add_rms_norm(o, residual, *w[kPostNorm], eps, normed);
     x = mlp(normed, w);

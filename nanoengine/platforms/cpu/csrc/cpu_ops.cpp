@@ -163,29 +163,100 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+namespace {
+
+// One head vector x (n values) as int8 q = round(x / s), rounded half to even and clamped to [-127, 127], with
+// s = absmax(x) / 127 (a zero vector: s = 0 and q = 0): torch_backend.quantize's bytes exactly. Returns s.
+// -ffast-math lets GCC turn a division by a constant, or several by one value, into a product with the
+// reciprocal, and a vector division into a reciprocal estimate and a Newton step: each is a unit in the last
+// place off now and then, and a quotient near k + 1/2 then rounds the other way. So the divisors are read from
+// volatiles, whose values the compiler cannot know or share, and the vector division is vdivps itself.
+template <typename T>
+float quantize_row(const T* x, int n, int8_t* q) {
+  float absmax = 0.f;
+  for (int d = 0; d < n; ++d) absmax = std::max(absmax, std::abs(float(x[d])));
+  volatile float levels = 127.f;
+  const float scale = absmax / levels;
+  volatile float divisor = scale > 0.f ? scale : 1.f;
+  int d = 0;
+#if defined(__AVX512F__)
+  const __m512 divisors = _mm512_set1_ps(divisor);
+  for (; d + 16 <= n; d += 16) {
+    __m512 quotient;
+    asm("vdivps %2, %1, %0" : "=v"(quotient) : "v"(load16(x + d)), "v"(divisors));
+    const __m512 rounded = _mm512_roundscale_ps(quotient, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), rounded));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(clamped)));
+  }
+#endif
+  for (; d < n; ++d) q[d] = int8_t(std::clamp(std::nearbyint(float(x[d]) / divisor), -127.f, 127.f));
+  return scale;
+}
+
+// store_kv into an int8 cache: each token's head vectors quantized, their scales beside them.
+template <typename T>
+void store_quantized(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales, const int64_t* slots) {
+  const int64_t heads = x.size(1), head_dim = x.size(2);
+  const T* data = x.data_ptr<T>();
+  int8_t* out = cache.data_ptr<int8_t>();
+  float* out_scales = scales.data_ptr<float>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    for (int64_t h = 0; slots[t] >= 0 && h < heads; ++h) {
+      const int64_t row = slots[t] * heads + h;
+      out_scales[row] = quantize_row(data + t * x.stride(0) + h * head_dim, head_dim, out + row * head_dim);
+    }
+}
+
+}  // namespace
+
 // k_cache.view(-1, kv_heads, head_dim)[slot] = k[t] (and so for v) for every token t whose slot is not -1 (a
-// padding row): torch_backend.store_kv's two index_put calls and its padding check, in one pass. k, v:
-// [tokens, kv_heads, head_dim] with each token's heads contiguous (views of the QKV projection's rows);
-// caches contiguous [blocks, block_size, kv_heads, head_dim]; slot_mapping [tokens] int64.
+// padding row): torch_backend.store_kv's two index_put calls and its padding check, in one pass; into an int8
+// cache, quantized as torch_backend.quantize does, with each scale at k_scale.view(-1, kv_heads)[slot] (v_scale
+// for v). k, v: [tokens, kv_heads, head_dim] with each token's heads contiguous (views of the QKV projection's
+// rows); caches contiguous [blocks, block_size, kv_heads, head_dim]; scales empty, or float32 [blocks,
+// block_size, kv_heads] for an int8 cache; slot_mapping [tokens] int64.
 void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& slot_mapping) {
+              const at::Tensor& slot_mapping, const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && slot_mapping.numel() == k.size(0),
               "store_kv: k, v [tokens, kv_heads, head_dim], caches [blocks, block_size, kv_heads, head_dim], a slot "
               "per token");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
-                t->scalar_type() == k_cache.scalar_type(),
-                "store_kv: each token's heads contiguous, of the cache's dtype");
+                t->scalar_type() == k.scalar_type() && (quantized || t->scalar_type() == k_cache.scalar_type()),
+                "store_kv: each token's heads contiguous, of the cache's dtype (or any float dtype into int8)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slot_mapping.is_contiguous() &&
-              slot_mapping.scalar_type() == at::kLong, "store_kv: contiguous caches, int64 slots");
-  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size(), num_slots = k_cache.size(0) * k_cache.size(1);
+              v_cache.scalar_type() == k_cache.scalar_type() && slot_mapping.scalar_type() == at::kLong,
+              "store_kv: contiguous caches of one dtype, int64 slots");
+  const auto scale_shape = k_cache.sizes().slice(0, 3);
+  TORCH_CHECK(quantized ? k_scale.sizes() == scale_shape && v_scale.sizes() == scale_shape &&
+                              k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                              k_scale.is_contiguous() && v_scale.is_contiguous()
+                        : k_scale.numel() == 0 && v_scale.numel() == 0,
+              "store_kv: an int8 cache takes contiguous float32 scales [blocks, block_size, kv_heads], another none");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " is outside the cache");
+  if (quantized) {
+    const auto run = [&](auto element) {
+      using T = decltype(element);
+      store_quantized<T>(k, k_cache, k_scale, slots);
+      store_quantized<T>(v, v_cache, v_scale, slots);
+    };
+    switch (k.scalar_type()) {
+      case at::kFloat: return run(float());
+      case at::kBFloat16: return run(at::BFloat16());
+      case at::kHalf: return run(at::Half());
+      default: TORCH_CHECK(false, "store_kv: float32, bfloat16 or float16 into int8, not ", k.scalar_type());
+    }
+  }
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
   const char *k_data = static_cast<const char*>(k.data_ptr()), *v_data = static_cast<const char*>(v.data_ptr());
   char *k_out = static_cast<char*>(k_cache.data_ptr()), *v_out = static_cast<char*>(v_cache.data_ptr());
   for (int64_t t = 0; t < k.size(0); ++t) {
     if (slots[t] < 0) continue;
-    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " is outside the cache");
     std::memcpy(k_out + slots[t] * row_bytes, k_data + t * k.stride(0) * k.element_size(), row_bytes);
     std::memcpy(v_out + slots[t] * row_bytes, v_data + t * v.stride(0) * v.element_size(), row_bytes);
   }

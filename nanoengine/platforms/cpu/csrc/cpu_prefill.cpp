@@ -10,7 +10,10 @@
 // (K^T or V) is packed from the paged cache once per (request, KV head, key block), before the tasks run. With
 // AVX512-BF16 a bfloat16 cache multiplies in bfloat16 pairs (each product exact in float32, about twice the
 // float32 rate); P is then rounded to bfloat16, as torch's flash kernel does. Other caches (and CPUs) multiply
-// in float32. Built with cpu_decode.cpp by nanoengine/platforms/cpu/build.py.
+// in float32. An int8 cache's values are packed as they are (an integer up to 127 is exact in bfloat16), its
+// scales beside them: a key's multiplies its column of S with the softmax scale, a value's its column of P (after
+// P's sum is taken), so the GEMMs are those of a cache of q's dtype. Built with cpu_decode.cpp by
+// nanoengine/platforms/cpu/build.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -171,17 +174,21 @@ struct Workspace {
   std::vector<float> acc, max, sum;
 };
 
-template <typename T, typename Compute>
+// T: q's and out's type; C: the cache's (T, or int8_t with a float32 scale per token and KV head).
+template <typename T, typename C, typename Compute>
 class PrefillAttention {
  public:
-  PrefillAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, float scale,
-                   const at::Tensor& out, const std::vector<Request>& requests, int num_blocks)
-      : q_(q.data_ptr<T>()), k_cache_(k_cache.data_ptr<T>()), v_cache_(v_cache.data_ptr<T>()),
-        out_(out.data_ptr<T>()), requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)),
-        head_dim_(q.size(2)), block_size_(k_cache.size(1)), num_kv_heads_(k_cache.size(2)),
+  PrefillAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& k_scale, const at::Tensor& v_scale, float scale, const at::Tensor& out,
+                   const std::vector<Request>& requests, int num_blocks)
+      : q_(q.data_ptr<T>()), k_cache_(k_cache.data_ptr<C>()), v_cache_(v_cache.data_ptr<C>()),
+        k_scale_(k_scale.data_ptr<float>()), v_scale_(v_scale.data_ptr<float>()), out_(out.data_ptr<T>()),
+        requests_(requests), q_stride_(q.stride(0)), num_heads_(q.size(1)), head_dim_(q.size(2)),
+        block_size_(k_cache.size(1)), num_kv_heads_(k_cache.size(2)),
         group_(num_heads_ / num_kv_heads_), scale_(scale), out_cols_(round_up(head_dim_, kTileCols)),
         keys_(at::empty({int64_t(num_blocks) * num_kv_heads_ * head_dim_ * kKeyBlock}, dtype())),
-        values_(at::empty({int64_t(num_blocks) * num_kv_heads_ * kKeyBlock * out_cols_}, dtype())) {}
+        values_(at::empty({int64_t(num_blocks) * num_kv_heads_ * kKeyBlock * out_cols_}, dtype())),
+        scales_(at::empty({kQuantized ? 2 * int64_t(num_blocks) * num_kv_heads_ * kKeyBlock : 0}, at::kFloat)) {}
 
   static int tokens_per_task(int group) { return std::max(1, kQueryRows / group); }
   Workspace<Compute> workspace() const {
@@ -200,22 +207,52 @@ class PrefillAttention {
       std::fill(keys, keys + head_dim_ * kKeyBlock, Compute(0));
       std::fill(values, values + kKeyBlock * out_cols_, Compute(0));
     }
-    const auto row = [&](const T* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
+    const auto row = [&](const C* cache, int t) { return cache_row(r, cache, kv_head, first_key + t); };
+    if constexpr (kQuantized) {  // a key's scale times the softmax scale, a value's; 0 past the context
+      float *key_scales = packed_scales(r, kv_head, block), *value_scales = key_scales + kKeyBlock;
+      std::fill(key_scales + n, key_scales + kKeyBlock, 0.f);
+      std::fill(value_scales + n, value_scales + kKeyBlock, 0.f);
+      for (int t = 0, run = 0; t < n; t += run) {  // runs of keys in one cache block: consecutive slots
+        const int64_t first = slot(r, first_key + t) * num_kv_heads_ + kv_head;
+        run = std::min(n - t, block_size_ - (first_key + t) % block_size_);
+        for (int i = 0; i < run; ++i) {
+          key_scales[t + i] = scale_ * k_scale_[first + i * num_kv_heads_];
+          value_scales[t + i] = v_scale_[first + i * num_kv_heads_];
+        }
+      }
+    }
     int keys_done = 0, values_done = 0;
 #if defined(__AVX512BW__)
-    if constexpr (std::is_same_v<T, Compute>) {
-      if (head_dim_ * sizeof(T) % 64 == 0) {
+    if constexpr (std::is_same_v<C, Compute>) {
+      if (head_dim_ * sizeof(C) % 64 == 0) {
         for (; keys_done + 16 <= n; keys_done += 16) transpose_keys(row, keys_done, keys);
         for (; values_done + pair <= n; values_done += pair) pair_values(row, values_done, values);
+      }
+    } else if constexpr (kQuantized) {  // 16 rows at a time widened to Compute (exactly), then packed as above
+      if (head_dim_ % 32 == 0) {
+        std::vector<Compute> widened(16 * head_dim_);
+        const auto widened_row = [&](const C*, int t) -> const Compute* { return &widened[t % 16 * head_dim_]; };
+        const auto widen = [&](const C* cache, int first) {
+          for (int t = 0; t < 16; ++t)
+            for (int d = 0; d < head_dim_; d += 32) widen32(row(cache, first + t) + d, &widened[t * head_dim_ + d]);
+        };
+        for (; keys_done + 16 <= n; keys_done += 16) {
+          widen(k_cache_, keys_done);
+          transpose_keys(widened_row, keys_done, keys);
+        }
+        for (; values_done + 16 <= n; values_done += 16) {
+          widen(v_cache_, values_done);
+          for (int t = values_done; t < values_done + 16; t += pair) pair_values(widened_row, t, values);
+        }
       }
     }
 #endif
     for (int t = keys_done; t < n; ++t) {
-      const T* k = row(k_cache_, t);
+      const C* k = row(k_cache_, t);
       for (int d = 0; d < head_dim_; ++d) keys[(d / pair * kKeyBlock + t) * pair + d % pair] = Compute(float(k[d]));
     }
     for (int t = values_done; t < n; ++t) {
-      const T* v = row(v_cache_, t);
+      const C* v = row(v_cache_, t);
       for (int d = 0; d < head_dim_; ++d) values[(t / pair * out_cols_ + d) * pair + t % pair] = Compute(float(v[d]));
     }
   }
@@ -238,12 +275,12 @@ class PrefillAttention {
   // interleaved, each column's pair of keys together.
   template <typename Row>
   void pair_values(Row row, int first, Compute* values) const {
-    const T* v = row(v_cache_, first);
+    const auto* v = row(v_cache_, first);
     Compute* out = values + first * out_cols_;  // the row of pair first / 2, in elements
     if constexpr (kPair<Compute> == 1) {
       std::copy(v, v + head_dim_, out);
     } else {
-      const T* next = row(v_cache_, first + 1);
+      const auto* next = row(v_cache_, first + 1);
       for (int d = 0; d < head_dim_; d += 32) {
         const auto [low, high] = interleave_rows(_mm512_loadu_si512(v + d), _mm512_loadu_si512(next + d));
         _mm512_storeu_si512(out + 2 * d, low);
@@ -270,7 +307,8 @@ class PrefillAttention {
       };
       gemm(Product::kScores, w.queries.get(), head_dim_, packed_keys(r, task.kv_head, block), kKeyBlock,
            round_up(block_keys, kTileCols), head_dim_, w.scores.data(), kKeyBlock, rows, visible);
-      for (int row = 0; row < rows; ++row) softmax_step(row, visible(row), value_k, w);
+      const float* key_scales = kQuantized ? packed_scales(r, task.kv_head, block) : nullptr;
+      for (int row = 0; row < rows; ++row) softmax_step(row, visible(row), value_k, key_scales, w);
       gemm(Product::kValues, w.probs.get(), kKeyBlock, packed_values(r, task.kv_head, block), out_cols_,
            out_cols_, value_k, w.acc.data(), out_cols_, rows, visible);
     }
@@ -280,13 +318,19 @@ class PrefillAttention {
  private:
   static at::ScalarType dtype() { return std::is_same_v<Compute, float> ? at::kFloat : at::kBFloat16; }
 
-  const T* cache_row(const Request& r, const T* cache, int kv_head, int pos) const {
-    const int64_t slot = int64_t(r.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
-    return cache + (slot * num_kv_heads_ + kv_head) * head_dim_;
+  int64_t slot(const Request& r, int pos) const {
+    return int64_t(r.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+  }
+  const C* cache_row(const Request& r, const C* cache, int kv_head, int pos) const {
+    return cache + (slot(r, pos) * num_kv_heads_ + kv_head) * head_dim_;
   }
   Compute* packed_keys(const Request& r, int kv_head, int block) {
     return keys_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
                                            head_dim_ * kKeyBlock;
+  }
+  float* packed_scales(const Request& r, int kv_head, int block) {  // kKeyBlock keys' scales, then values'
+    return scales_.data_ptr<float>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) * 2 *
+                                           kKeyBlock;
   }
   Compute* packed_values(const Request& r, int kv_head, int block) {
     return values_.data_ptr<Compute>() + int64_t(r.first_block * num_kv_heads_ + kv_head * blocks(r) + block) *
@@ -303,8 +347,9 @@ class PrefillAttention {
   }
 
   // One row's scores over the block's first ``visible`` keys (the rest are after its position) into P and
-  // its running max, sum and accumulator.
-  void softmax_step(int row, int visible, int value_k, Workspace<Compute>& w) const {
+  // its running max, sum and accumulator. An int8 cache's ``scales`` (the block's keys' times the softmax scale,
+  // then its values') scale each score, and each p as it goes into P (not into the sum).
+  void softmax_step(int row, int visible, int value_k, const float* scales, Workspace<Compute>& w) const {
     Compute* p = w.probs.get() + row * kKeyBlock;
     if (visible <= 0) {
       std::fill(p, p + value_k, Compute(0));
@@ -314,16 +359,17 @@ class PrefillAttention {
 #if defined(__AVX512F__)
     const int chunks = (visible + 15) / 16;  // 16 keys at a time; lanes past ``visible`` count for nothing
     const auto live = [&](int c) { return __mmask16(16 * c + 16 <= visible ? 0xFFFF : (1u << visible % 16) - 1); };
-    const __m512 scale = _mm512_set1_ps(scale_);
+    const auto scale = [&](int c) { return scales ? _mm512_loadu_ps(scales + 16 * c) : _mm512_set1_ps(scale_); };
     __m512 most = _mm512_set1_ps(w.max[row]);
     for (int c = 0; c < chunks; ++c)
-      most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale));
+      most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale(c)));
     const float block_max = _mm512_reduce_max_ps(most);
     __m512 sums = _mm512_setzero_ps();
     for (int c = 0; c < chunks; ++c) {
-      const __m512 e = _mm512_maskz_mov_ps(
-          live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale, _mm512_set1_ps(block_max))));
+      __m512 e = _mm512_maskz_mov_ps(
+          live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale(c), _mm512_set1_ps(block_max))));
       sums = _mm512_add_ps(sums, e);
+      if (scales) e = _mm512_mul_ps(e, _mm512_loadu_ps(scales + kKeyBlock + 16 * c));
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<Compute, at::BFloat16>) {  // one instruction, rounding as store16 does
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), (__m256i)_mm512_cvtneps_pbh(e));
@@ -335,13 +381,14 @@ class PrefillAttention {
     const float block_sum = _mm512_reduce_add_ps(sums);
     std::fill(p + std::min(16 * chunks, value_k), p + value_k, Compute(0));
 #else
+    const auto scale = [&](int t) { return scales ? scales[t] : scale_; };
     float block_max = w.max[row];
-    for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale_);
+    for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale(t));
     float block_sum = 0.f;
     for (int t = 0; t < visible; ++t) {
-      const float e = std::exp(s[t] * scale_ - block_max);
+      const float e = std::exp(s[t] * scale(t) - block_max);
       block_sum += e;
-      p[t] = Compute(e);
+      p[t] = Compute(scales ? e * scales[kKeyBlock + t] : e);
     }
     std::fill(p + visible, p + value_k, Compute(0));
 #endif
@@ -364,7 +411,9 @@ class PrefillAttention {
 
   static int blocks(const Request& r) { return (r.seq_len + kKeyBlock - 1) / kKeyBlock; }
 
-  const T *q_, *k_cache_, *v_cache_;
+  const T* q_;
+  const C *k_cache_, *v_cache_;
+  const float *k_scale_, *v_scale_;  // an int8 cache's; else unread
   T* out_;
   const std::vector<Request>& requests_;
   const int64_t q_stride_;
@@ -372,6 +421,8 @@ class PrefillAttention {
   const float scale_;
   const int out_cols_;  // P V's columns: head_dim padded for gemm
   at::Tensor keys_, values_;  // per (request, KV head, key block), packed
+  at::Tensor scales_;         // an int8 cache's: per (request, KV head, key block), its keys' then its values'
+  static constexpr bool kQuantized = std::is_same_v<C, int8_t>;
 };
 
 // Calls a worker on every index below n: each thread makes its own (make_worker()) and takes the next index
@@ -385,11 +436,12 @@ void share(size_t n, MakeWorker make_worker) {
   });
 }
 
-template <typename T, typename Compute>
+template <typename T, typename C, typename Compute>
 void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             std::vector<Request>& requests, float scale, const at::Tensor& out) {
-  const int num_kv_heads = k_cache.size(2), tokens_per_task = PrefillAttention<T, Compute>::tokens_per_task(
-                                                                  q.size(1) / num_kv_heads);
+                             const at::Tensor& k_scale, const at::Tensor& v_scale, std::vector<Request>& requests,
+                             float scale, const at::Tensor& out) {
+  using Attention = PrefillAttention<T, C, Compute>;
+  const int num_kv_heads = k_cache.size(2), tokens_per_task = Attention::tokens_per_task(q.size(1) / num_kv_heads);
   std::vector<std::array<int, 3>> blocks;  // (request, KV head, key block) to pack
   std::vector<Task> tasks;
   int num_blocks = 0;
@@ -407,7 +459,7 @@ void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   // The longest tasks first: the threads finish together.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  PrefillAttention<T, Compute> attention(q, k_cache, v_cache, scale, out, requests, num_blocks);
+  Attention attention(q, k_cache, v_cache, k_scale, v_scale, scale, out, requests, num_blocks);
   share(blocks.size(), [&] {
     return [&](size_t i) { attention.pack_block(blocks[i][0], blocks[i][1], blocks[i][2]); };
   });
@@ -419,13 +471,15 @@ void prefill_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, con
 }  // namespace
 
 // q, out: [num_tokens, num_heads, head_dim] (q's rows may be strided: a view of the QKV projection); caches:
-// [num_blocks, block_size, num_kv_heads, head_dim]; per prompt request: block_tables [num_requests, max_blocks],
+// [num_blocks, block_size, num_kv_heads, head_dim] of q's dtype (scales empty) or int8 (scales float32
+// [num_blocks, block_size, num_kv_heads]); per prompt request: block_tables [num_requests, max_blocks],
 // first_rows (its first query row in q and out), query_lens and seq_lens, all int32. A request's query rows are
 // the last query_len positions of its context; only they are written in ``out``.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& first_rows, const at::Tensor& query_lens,
-                       const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
-  check_attention_tensors("prefill_attention", q, k_cache, v_cache, out);
+                       const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                       const at::Tensor& first_rows, const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                       double scale, const at::Tensor& out) {
+  const bool quantized = check_attention_tensors("prefill_attention", q, k_cache, v_cache, k_scale, v_scale, out);
   TORCH_CHECK(q.size(2) % 2 == 0, "prefill_attention: head_dim even");
   for (const at::Tensor* t : {&block_tables, &first_rows, &query_lens, &seq_lens})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "prefill_attention takes contiguous CPU tensors");
@@ -442,11 +496,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                 "prefill_attention: a request's rows or lengths do not fit q or its block table");
     requests.push_back(r);
   }
+  const auto run = [&](auto element, auto compute) {
+    using T = decltype(element);
+    using Compute = decltype(compute);
+    if (quantized)
+      prefill_attention_typed<T, int8_t, Compute>(q, k_cache, v_cache, k_scale, v_scale, requests, float(scale), out);
+    else
+      prefill_attention_typed<T, T, Compute>(q, k_cache, v_cache, k_scale, v_scale, requests, float(scale), out);
+  };
   switch (q.scalar_type()) {
-    case at::kFloat: return prefill_attention_typed<float, float>(q, k_cache, v_cache, requests, float(scale), out);
-    case at::kBFloat16:
-      return prefill_attention_typed<at::BFloat16, BFloat16Compute>(q, k_cache, v_cache, requests, float(scale), out);
-    case at::kHalf: return prefill_attention_typed<at::Half, float>(q, k_cache, v_cache, requests, float(scale), out);
+    case at::kFloat: return run(float(), float());
+    case at::kBFloat16: return run(at::BFloat16(), BFloat16Compute());
+    case at::kHalf: return run(at::Half(), float());
     default: TORCH_CHECK(false, "prefill_attention: float32, bfloat16 or float16 only, not ", q.scalar_type());
   }
 }

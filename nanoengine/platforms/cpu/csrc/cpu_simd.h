@@ -29,20 +29,39 @@ inline void prefetch_block(const T* k, const T* v, int block_size, int64_t token
     }
 }
 
-// The checks both attention kernels make of q, out and the paged caches; ``name`` starts each message.
-inline void check_attention_tensors(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
-                                    const at::Tensor& v_cache, const at::Tensor& out) {
-  for (const at::Tensor* t : {&k_cache, &v_cache, &out})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), name, " takes contiguous CPU caches and out");
+// The checks both attention kernels make of q, out, the paged caches and their scales (empty, or for an int8
+// cache float32 [blocks, block_size, kv_heads]); ``name`` starts each message. True for an int8 cache.
+inline bool check_attention_tensors(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                    const at::Tensor& out) {
+  for (const at::Tensor* t : {&k_cache, &v_cache, &k_scale, &v_scale, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), name, " takes contiguous CPU caches, scales and out");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), name,
               ": each row of q (a token's heads) contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), name,
               ": q and out [tokens, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, name,
               ": the caches' head_dim or KV heads do not fit q");
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              name, ": q, out and the caches share one dtype");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (quantized || k_cache.scalar_type() == q.scalar_type()),
+              name, ": q and out share one dtype, the caches q's or int8");
+  const auto scale_shape = k_cache.sizes().slice(0, 3);
+  TORCH_CHECK(quantized ? k_scale.sizes() == scale_shape && v_scale.sizes() == scale_shape &&
+                              k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat
+                        : k_scale.numel() == 0 && v_scale.numel() == 0,
+              name, ": an int8 cache takes float32 scales [blocks, block_size, kv_heads], another none");
+  return quantized;
+}
+
+// A token's scale in an int8 cache's scales (``scales`` at the KV head, ``stride`` floats a token); 1 for a
+// cache in the model's dtype, which has none.
+template <typename C>
+inline float token_scale(const float* scales, int64_t token, int64_t stride) {
+  if constexpr (std::is_same_v<C, int8_t>)
+    return scales[token * stride];
+  else
+    return 1.f;
 }
 
 #if defined(__AVX512F__)
@@ -55,6 +74,9 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {  // vpmovsxbd, vcvtdq2ps
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // float32 lanes rounded to bfloat16 (to nearest, ties to even, as torch rounds), in the high 16 bits of each.
@@ -83,6 +105,20 @@ inline __m512bh load_pairs(const void* p) {
   return pairs;
 }
 inline __m512bh as_pairs(__m512i x) { return load_pairs(&x); }
+#endif
+
+// 32 int8 values widened to float32 or (with AVX512-BF16, where the kernels multiply bfloat16) to bfloat16,
+// exactly: every integer up to 256 is a bfloat16. In whole 64-byte stores, so that a later 64-byte load of them
+// is forwarded from the store rather than stalled.
+inline void widen32(const int8_t* x, float* out) {
+  store16(out, load16(x));
+  store16(out + 16, load16(x + 16));
+}
+#if defined(__AVX512BF16__)
+inline void widen32(const int8_t* x, at::BFloat16* out) {
+  const __m512bh both = _mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // the second operand is the low half
+  std::memcpy(out, &both, sizeof(both));
+}
 #endif
 
 #if defined(__AVX512BW__)
