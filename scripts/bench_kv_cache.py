@@ -22,7 +22,8 @@ from nanoengine.utils.cpu_info import cpu_model  # noqa: E402
 BLOCK_SIZE = 16
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3.2-1B": (32, 8, 64)}  # query heads, KV heads, head_dim
 OVERFLOW_BYTES = 256 << 20  # the caches of all layers together, in bfloat16: more than any CPU's L3 here
-CASES = [("decode", 32, 600), ("decode", 1, 4096), ("prompt", 1, 1024)]  # kind, requests, tokens each
+# Requests, each one's context and its new tokens: decodes, a whole prompt, and prompt ends after a cached prefix.
+CASES = [(32, 600, 1), (1, 4096, 1), (1, 1024, 1024), (32, 512, 16)]
 
 
 def caches(num_tokens: int, num_kv_heads: int, head_dim: int, quantized: bool) -> list[torch.Tensor]:
@@ -35,27 +36,28 @@ def caches(num_tokens: int, num_kv_heads: int, head_dim: int, quantized: bool) -
     return [k, v, k_scale, v_scale]
 
 
-def call(kernels, kind: str, num_requests: int, tokens: int, shape: tuple[int, int, int], quantized: bool):
+def call(kernels, num_requests: int, tokens: int, new_tokens: int, shape: tuple[int, int, int], quantized: bool):
     """The case's attention call in each of enough layers that their caches overflow the CPU's caches, as a
-    step's layers do (decodes of ``tokens`` contexts, or whole prompts); returns (run them all, the layers)."""
+    step's layers do: decodes (one new token) or prompts; returns (run them all, the number of layers)."""
     num_heads, num_kv_heads, head_dim = shape
     blocks_each = -(-tokens // BLOCK_SIZE)
     tables = torch.randperm(num_requests * blocks_each, dtype=torch.int32).view(num_requests, blocks_each)
     lens = torch.full((num_requests,), tokens, dtype=torch.int32)
-    rows = num_requests if kind == "decode" else num_requests * tokens
+    query_lens = torch.full((num_requests,), new_tokens, dtype=torch.int32)
+    rows = num_requests * new_tokens
     q = torch.randn(rows, num_heads, head_dim, dtype=torch.bfloat16)
     out, scale = torch.empty_like(q), head_dim ** -0.5
     layer_bytes = num_requests * blocks_each * BLOCK_SIZE * num_kv_heads * head_dim * 2 * 2  # in bfloat16
     layers = [caches(num_requests * blocks_each * BLOCK_SIZE, num_kv_heads, head_dim, quantized)
               for _ in range(-(-OVERFLOW_BYTES // layer_bytes))]
-    first_rows = torch.arange(num_requests, dtype=torch.int32) * tokens
+    first_rows = torch.arange(num_requests, dtype=torch.int32) * new_tokens
 
     def run_layers():
         for cache in layers:
-            if kind == "decode":
+            if new_tokens == 1:
                 kernels.decode_attention(q, *cache, tables, lens, torch.arange(rows), scale, out)
             else:
-                kernels.prefill_attention(q, *cache, tables, first_rows, lens, lens, scale, out)
+                kernels.prefill_attention(q, *cache, tables, first_rows, query_lens, lens, scale, out)
     return run_layers, len(layers)
 
 
@@ -86,11 +88,13 @@ def main() -> None:
     print("| model shape | case | bfloat16 cache, us | int8 cache, us | int8 / bf16 |")
     print("| --- | --- | ---: | ---: | ---: |")
     for name, shape in SHAPES.items():
-        for kind, num_requests, tokens in CASES:
-            (plain, layers), (quantized, _) = [call(kernels, kind, num_requests, tokens, shape, q)
+        for num_requests, tokens, new_tokens in CASES:
+            (plain, layers), (quantized, _) = [call(kernels, num_requests, tokens, new_tokens, shape, q)
                                                for q in (False, True)]
             plain, quantized = (t / layers for t in best_of_alternating([plain, quantized], args.reps))
-            print(f"| {name} | {kind}, {num_requests} x {tokens} tokens | {plain * 1e6:.0f} | {quantized * 1e6:.0f} "
+            case = ("decode" if new_tokens == 1 else "prompt" if new_tokens == tokens
+                    else f"last {new_tokens} of a prompt")
+            print(f"| {name} | {case}, {num_requests} x {tokens} tokens | {plain * 1e6:.0f} | {quantized * 1e6:.0f} "
                   f"| {quantized / plain:.2f} |")
 
 
