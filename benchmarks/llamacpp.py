@@ -109,11 +109,12 @@ def print_llamacpp_table(report: dict) -> None:
           f"llama.cpp at {report['threads']} threads with flash attention; {report['model']}")
     seconds = report["seconds"]
     for ours, peer in report["pairs"]:
-        print(f"{'sequences':>10}{ours + ' s':>40}{peer + ' s':>20}{'ours / it':>11}")
+        width = len(ours) + 4
+        print(f"{'sequences':>10}{ours + ' s':>{width}}{peer + ' s':>20}{'ours / it':>11}")
         for count, mine in seconds[ours].items():
             theirs = seconds[peer].get(count)
-            print(f"{count:>10}{mine:>40.2f}" + (f"{theirs:>20.2f}{theirs / mine:>10.2f}x" if theirs else
-                                                   f"{'-':>20}{'-':>11}"))
+            print(f"{count:>10}{mine:>{width}.2f}" + (f"{theirs:>20.2f}{theirs / mine:>10.2f}x" if theirs else
+                                                        f"{'-':>20}{'-':>11}"))
     print("ours / it: llama.cpp's seconds over ours (above 1: we are faster)")
 
 

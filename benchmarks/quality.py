@@ -102,8 +102,9 @@ def quality_preset(args) -> dict:
     n_ctx = args.n_ctx or N_CTX
     chat = grounded_prompts(AutoTokenizer.from_pretrained(model), GREEDY_PROMPTS)
     runs = [engine_perplexity(model, dtype, n_ctx, greedy_prompts=chat, **options) for dtype, options in QUALITY_RUNS]
+    reference = runs[0]["greedy"]
     for run in runs:
-        run["identical_answers"], run["greedy_prefix"] = greedy_agreement(runs[0]["greedy"], run.pop("greedy"))
+        run["identical_answers"], run["greedy_prefix"] = greedy_agreement(reference, run.pop("greedy"))
         print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
     peers, tokens_note = llamacpp_perplexities(model, n_ctx, TEXT)
     return {"preset": "quality", "model": model, "text": TEXT.name, "n_ctx": n_ctx, "runs": runs + peers,

@@ -139,6 +139,9 @@ struct Operands {
   int64_t rows, steps, outputs;
 };
 
+template <typename W>
+constexpr int64_t kStepsPerLine = 64 / (kBlockStep<W> * int64_t(sizeof(W)));  // 1, or 2 and 4 for int8
+
 // Rows [row, row + R) times packed blocks [block, block + V). At each step, each block's stream asks for the
 // weight ``ahead`` elements further on.
 template <typename W, typename T, int R, int V>
@@ -149,8 +152,8 @@ void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
   const W* streams[V];
   for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<W>;
   for (int64_t s = 0; s < op.steps; ++s) {
-    for (int v = 0; v < V; ++v)  // into L2, as prefetch_block does
-      __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);
+    if (s % kStepsPerLine<W> == 0)  // once per 64-byte line of each stream, into L2, as prefetch_block does
+      for (int v = 0; v < V; ++v) __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);
     if constexpr (kWidens<W>) {
       constexpr int inputs = Step<W>::inputs;
       __m512 wide[V][inputs];
@@ -250,7 +253,9 @@ void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
   const Operands<W, T> op{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
                           scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
                           out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)};
-  if (op.rows <= 2) return run<W, T, 8>(op);
+  // An int8 step is 16 or 32 bytes a stream, and widening it costs more than its multiply: 4 streams read them at
+  // the memory's speed at one row, where 8 ran slower (docs/quantization.md).
+  if (op.rows <= 2) return run<W, T, sizeof(W) == 1 ? 4 : 8>(op);
   if (op.rows <= 4) return run<W, T, 6>(op);
   run<W, T, kAccumulators / kRowsPerChunk>(op);
 }
