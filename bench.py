@@ -105,7 +105,9 @@ def run_throughput(preset: str, workload: Workload, model: str, peers: set[str],
             runs += compare_vllm(model, workload, prompts, max_tokens)
         for run in runs:
             fastest[run.name] = min(run, fastest.get(run.name, run), key=lambda r: r.seconds)
-    floor = roofline(shape, ours_steps, dtype.itemsize, hw)
+    itemsize, kv_itemsize = shape.itemsizes(dtype, llm_options.get("quantization"),
+                                            llm_options.get("kv_cache_dtype", "auto"))
+    floor = roofline(shape, ours_steps, itemsize, hw, kv_itemsize)
     return throughput_report(preset, model, device, workload, hw, floor, list(fastest.values()))
 
 

@@ -88,6 +88,12 @@ class ModelShape:
     def matmul_params(self) -> int:
         return self.num_layers * self.layer_params + self.vocab * self.hidden  # with the LM head
 
+    def itemsizes(self, dtype: torch.dtype, quantization: str | None = None, kv_cache_dtype: str = "auto"):
+        """Bytes a weight and bytes a K or V value take with these engine options (an int8 cache's float32
+        scale, one per head vector, spread over its values)."""
+        weight = 1 if quantization == "int8" else dtype.itemsize
+        return weight, 1 + 4 / self.head_dim if kv_cache_dtype == "int8" else dtype.itemsize
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
@@ -102,10 +108,12 @@ class ModelShape:
         keys = sum(new * context - new * (new - 1) // 2 for new, context, _ in step)
         return linear + 4 * self.num_layers * self.num_heads * self.head_dim * keys
 
-    def step_bytes(self, step: "Step", itemsize: int) -> int:
-        """The least a step must read: every weight once, and the K and V of every live token once."""
+    def step_bytes(self, step: "Step", itemsize: float, kv_itemsize: float | None = None) -> float:
+        """The least a step must read: every weight once (``itemsize`` bytes each), and the K and V of every live
+        token once (``kv_itemsize`` bytes a value, by default ``itemsize``)."""
         live_tokens = sum(context for _, context, _ in step)
-        return (self.matmul_params + live_tokens * self.kv_bytes_per_token) * itemsize
+        kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
+        return self.matmul_params * itemsize + live_tokens * self.kv_bytes_per_token * kv_itemsize
 
 @dataclass
 class Roofline:
@@ -118,7 +126,8 @@ class Roofline:
         return "memory" if self.memory_s > self.compute_s else "compute"
 
 
-def roofline(shape: ModelShape, steps: list[Step], itemsize: int, hw: Hardware) -> Roofline:
+def roofline(shape: ModelShape, steps: list[Step], itemsize: float, hw: Hardware,
+             kv_itemsize: float | None = None) -> Roofline:
     compute = [shape.step_flops(step) / hw.matmul_flops for step in steps]
-    memory = [shape.step_bytes(step, itemsize) / hw.read_bytes for step in steps]
+    memory = [shape.step_bytes(step, itemsize, kv_itemsize) / hw.read_bytes for step in steps]
     return Roofline(sum(compute), sum(memory), sum(map(max, compute, memory)))

@@ -34,6 +34,10 @@ def test_flops_and_bytes_counted_by_hand():
     assert SHAPE.step_flops(step) == 2 * 2 * 576 * 4 + 2 * 32 * 8 * 2 + 4 * 2 * 2 * 4 * (6 + 5)
     # bf16: all weights once, and the K and V of 3 + 5 live tokens in 2 layers.
     assert SHAPE.step_bytes(step, itemsize=2) == (2 * 576 + 32 * 8) * 2 + 8 * (2 * 2 * 1 * 4) * 2
+    # int8 weights (a byte each) and an int8 cache (a byte a value, and a float32 scale per head vector of 4).
+    weight, kv = SHAPE.itemsizes(torch.bfloat16, quantization="int8", kv_cache_dtype="int8")
+    assert (weight, kv) == (1, 2) and SHAPE.itemsizes(torch.bfloat16) == (2, 2)
+    assert SHAPE.step_bytes(step, weight, kv) == (2 * 576 + 32 * 8) + 8 * (2 * 2 * 1 * 4) * 2
 
 
 def test_roofline_takes_the_larger_bound_per_step():
