@@ -2,7 +2,8 @@
 
 Hypothesis writes workloads: requests arriving between steps with prompts that share random prefixes (and may
 repeat them, for n-gram drafts), random priorities and cache salts, random aborts, on engines whose tiny KV
-caches force preemption and whose small token budgets force chunked prefills; one of them drafts. After every
+caches force preemption and whose small token budgets force chunked prefills; one of them drafts, one keeps its
+cache in int8 (compared with a run alone on an int8 cache). After every
 step the block bookkeeping and the step's schedule are checked; at the end every block must be free and every
 finished request must have produced exactly what it produces when it runs alone. The same workloads run again
 with a block hash only two bits wide, so that hashes collide all the time: hits must stay exact.
@@ -13,6 +14,7 @@ from collections import Counter, defaultdict
 from itertools import count
 
 import pytest
+import torch
 from conftest import keep_every_draft
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,6 +29,8 @@ ENGINES = {  # all with 4-token blocks and max_model_len 48, so prompt + max_tok
                              max_num_seqs=4, long_prefill_token_threshold=5),
     "fcfs-no-prefix-cache": dict(scheduling_policy="fcfs", num_kvcache_blocks=12, max_num_batched_tokens=12,
                                  max_num_seqs=4, enable_prefix_caching=False),
+    "fcfs-int8-kv-cache": dict(scheduling_policy="fcfs", num_kvcache_blocks=12, max_num_batched_tokens=10,
+                               max_num_seqs=3, kv_cache_dtype="int8"),
     "fcfs-speculative": dict(scheduling_policy="fcfs", num_kvcache_blocks=12, max_num_batched_tokens=10,
                              max_num_seqs=3, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
@@ -88,16 +92,28 @@ def engines(sharp_tiny_model, run_alone):
 @pytest.fixture(scope="module")
 def run_alone(sharp_tiny_model):
     """A request's output when it has a roomy engine to itself: no preemption, no chunking, no prefix cache."""
-    known = {}
     with LLM(sharp_tiny_model[0], **COMMON, num_kvcache_blocks=64, enable_prefix_caching=False) as llm:
+        yield outputs_of(llm)
 
-        def alone(prompt: list[int], params: SamplingParams) -> list[int]:
-            key = (tuple(prompt), params.max_tokens, params.seed)
-            if key not in known:
-                known[key] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-            return known[key]
 
-        yield alone
+@pytest.fixture(scope="module")
+def run_alone_int8(sharp_tiny_model):
+    """The same with an int8 KV cache, for the engine that has one (the cache's rounding changes a seeded draw)."""
+    with LLM(sharp_tiny_model[0], **COMMON, num_kvcache_blocks=64, enable_prefix_caching=False,
+             kv_cache_dtype="int8") as llm:
+        yield outputs_of(llm)
+
+
+def outputs_of(llm: LLM):
+    known = {}
+
+    def alone(prompt: list[int], params: SamplingParams) -> list[int]:
+        key = (tuple(prompt), params.max_tokens, params.seed)
+        if key not in known:
+            known[key] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        return known[key]
+
+    return alone
 
 
 def record_schedules(engine) -> None:
@@ -270,8 +286,9 @@ class Workload:
 @settings(max_examples=25, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads)
-def test_engine_invariants_under_random_workloads(engines, run_alone, engine_name, workload):
-    run_workload(engines[engine_name], run_alone, workload)
+def test_engine_invariants_under_random_workloads(engines, run_alone, run_alone_int8, engine_name, workload):
+    engine = engines[engine_name]
+    run_workload(engine, run_alone_int8 if engine.config.kv_cache_dtype == "int8" else run_alone, workload)
 
 
 @pytest.mark.parametrize("engine_name", ["fcfs-tight-cache", "priority-chunked"])
@@ -289,8 +306,10 @@ def test_hits_stay_exact_when_block_hashes_collide(engines, run_alone, two_bit_h
 
 def run_workload(engine, run_alone, workload: dict) -> None:
     engine.reset_prefix_cache()
-    # A slot is read only after it is written: NaN anywhere else would show up in the outputs.
-    engine.model_executor.runner.kv_cache.fill_(float("nan"))
+    # A slot is read only after it is written: NaN anywhere else would show up in the outputs (an int8 cache's
+    # NaN is in its scales).
+    runner = engine.model_executor.runner
+    (runner.kv_scales if runner.kv_cache.dtype == torch.int8 else runner.kv_cache).fill_(float("nan"))
     run = Workload(engine)
     try:
         for round_ in workload["rounds"]:
