@@ -119,10 +119,13 @@ def test_a_killed_core_fails_its_requests_is_down_in_metrics_comes_back_and_serv
             doomed = asyncio.create_task(asyncio.to_thread(stream_events, client, "Go on and on", 480))
             await asyncio.to_thread(wait_for, lambda: per_engine(url, "nanoengine:num_requests_running").get("0"),
                                     "the first stream to run on core 0")
+            # Core 0 is frozen until it is killed, so that its stream cannot finish first (the tiny model writes
+            # 480 tokens in about a second, as long as a loaded machine may take to start the second stream).
+            [core_0, _] = httpx.get(f"{url}/health").json()["engines"]
+            os.kill(core_0["pid"], signal.SIGSTOP)
             survivor = asyncio.create_task(asyncio.to_thread(stream_events, client, "And on", 480))
             await asyncio.to_thread(wait_for, lambda: per_engine(url, "nanoengine:num_requests_running").get("1"),
                                     "the second stream to run on core 1")
-            [core_0, _] = httpx.get(f"{url}/health").json()["engines"]
             family = {core_0["pid"]} | descendants(core_0["pid"])
             os.kill(core_0["pid"], signal.SIGKILL)
             return await doomed, await survivor, family
