@@ -230,11 +230,12 @@ def parse_args(argv=None):
                              "llamacpp: llama.cpp and ours on llama-batched-bench's workload")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
     parser.add_argument("--quantization", choices=["int8"],
-                        help="gpu/cpu: our engine's weights in int8 (docs/quantization.md; the peers' stay in dtype)")
+                        help="gpu/cpu/profile: our engine's weights in int8 (docs/quantization.md; the peers' stay "
+                             "in dtype)")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
-                        help="gpu/cpu: our KV cache's dtype (docs/kv-cache-quantization.md)")
+                        help="gpu/cpu/profile: our KV cache's dtype (docs/kv-cache-quantization.md)")
     parser.add_argument("--num-prompts", type=int, help="serve: how many requests per load (default: per load)")
     parser.add_argument("--request-rate", type=float,
                         help="serve: one load at this Poisson rate (inf: all at once) instead of the preset's two")

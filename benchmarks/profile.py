@@ -75,7 +75,8 @@ class StepClock:
 def profile_preset(args) -> dict:
     workload = preset_workload("gpu" if on_gpu() else "cpu", args.dtype)
     num_prompts, prompt_len = args.num_prompts or 32, args.prompt_len
-    with LLM(model_for(args), dtype=workload.dtype, max_model_len=prompt_len + 64, enforce_eager=True) as llm:
+    with LLM(model_for(args), dtype=workload.dtype, max_model_len=prompt_len + 64, enforce_eager=True,
+             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype) as llm:
         engine, clock = llm.llm_engine, StepClock()
         runner = engine.model_executor.runner
         runner.fast_path = None  # the modules' forwards, which the hooks can time
