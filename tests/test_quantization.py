@@ -12,6 +12,7 @@ from conftest import build_tiny_model
 from safetensors.torch import load_file, save_file
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.attention.torch_backend import quantize
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
@@ -19,7 +20,7 @@ from nanoengine.platforms.cpu import CpuPlatform
 from nanoengine.platforms.cpu import linear as linear_module
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
-from nanoengine.platforms.cpu.quantize import dequantize, quantize_int8, quantize_linear_layers
+from nanoengine.platforms.cpu.quantize import dequantize, quantize_linear_layers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]
@@ -35,7 +36,7 @@ def test_the_quantizer_on_rows_worked_by_hand():
     weight = torch.tensor([[127.0, -63.5, 0.5, -1.5],  # scale 1: -63.5 -> -64, 0.5 -> 0, -1.5 -> -2 (ties to even)
                            [0.0, 0.0, 0.0, 0.0],  # scale 0, q 0: no division by zero, no NaN
                            [-254.0, 1.0, 3.0, 5.0]])  # scale 2: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2
-    q, scale = quantize_int8(weight)
+    q, scale = quantize(weight)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32
     assert q.tolist() == [[127, -64, 0, -2], [0, 0, 0, 0], [-127, 0, 2, 2]]
     assert scale.tolist() == [1.0, 0.0, 2.0]
@@ -46,7 +47,7 @@ def test_the_quantizer_on_rows_worked_by_hand():
 def test_the_quantizer_rounds_each_value_to_the_nearest_step_of_its_row(dtype):
     torch.manual_seed(0)
     weight = (torch.randn(64, 300) * torch.logspace(-3, 2, 64).unsqueeze(1)).to(dtype)
-    q, scale = quantize_int8(weight)
+    q, scale = quantize(weight)
     absmax = weight.float().abs().amax(dim=1)
     assert torch.equal(scale, absmax / 127)  # absmax / 127, rounded once in float32
     assert q.abs().max() == 127 and (q == -128).sum() == 0
@@ -60,10 +61,10 @@ def test_a_shard_quantized_with_the_full_rows_absmax_is_the_full_weights_slice()
     are the single rank's."""
     torch.manual_seed(1)
     weight = torch.randn(32, 96)
-    q, scale = quantize_int8(weight)
+    q, scale = quantize(weight)
     absmax = weight.abs().amax(dim=1)
     for shard, expected_q in zip(weight.chunk(2, dim=1), q.chunk(2, dim=1)):
-        shard_q, shard_scale = quantize_int8(shard, absmax)
+        shard_q, shard_scale = quantize(shard, absmax)
         assert torch.equal(shard_scale, scale) and torch.equal(shard_q, expected_q)
 
 
@@ -106,7 +107,7 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
     blocks (3 and 7 blocks), an odd K, with and without bias, NaN in out before each call."""
     ops = int8_ops(cpu_ops)
     torch.manual_seed(out_features)
-    q, scale = quantize_int8(torch.randn(out_features, in_features))
+    q, scale = quantize(torch.randn(out_features, in_features))
     packed = linear_module.pack_steps(q)
     for rows in [*range(1, 34), 300]:
         x = torch.randn(rows, in_features, dtype=dtype)
@@ -121,7 +122,7 @@ def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kerne
     """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
     ops = int8_ops(cpu_ops)
     torch.manual_seed(2)
-    q, scale = quantize_int8(torch.randn(64, 40))
+    q, scale = quantize(torch.randn(64, 40))
     bias = torch.randn(64, dtype=torch.bfloat16)
     choice = only_kernel(q, kernel, ops, scale)
     if choice.scratch is not None:
@@ -134,7 +135,7 @@ def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kerne
 
 def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
     ops = int8_ops(cpu_ops)
-    q, scale = quantize_int8(torch.randn(32, 8))
+    q, scale = quantize(torch.randn(32, 8))
     packed, x, out = linear_module.pack_steps(q), torch.randn(3, 8), torch.empty(3, 32)
     for args, message in (((x, packed, None, None, out), "needs its scale"),
                           ((x, packed, scale[:16], None, out), "needs its scale"),
@@ -168,8 +169,8 @@ def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
     weights = load_file(dequantized / "model.safetensors")
     for name, weight in weights.items():
         if name.endswith(".weight") and name.split(".")[-2] in HF_LINEARS:
-            weights[name] = dequantize(*quantize_int8(weight))
-    weights["lm_head.weight"] = dequantize(*quantize_int8(weights["model.embed_tokens.weight"]))
+            weights[name] = dequantize(*quantize(weight))
+    weights["lm_head.weight"] = dequantize(*quantize(weights["model.embed_tokens.weight"]))
     save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dequantized / "config.json").read_text())
     (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))

@@ -15,23 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanoengine.attention.torch_backend import quantize
 from nanoengine.distributed import tp_size
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase, RowParallelLinear
 
 logger = logging.getLogger(__name__)
-
-INT8_MAX = 127  # symmetric: -127..127, so that q and -q both exist
-
-
-def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` [N, K] as int8 q and float32 scale [N]: scale = absmax / 127 per row (in float32), q =
-    round-half-even(w / scale) clamped to [-127, 127]; a row of zeros gets scale 0 and q 0. ``absmax``: each
-    row's largest magnitude, where it is not this weight's own (a row-parallel shard's)."""
-    wide = weight.detach().float()
-    scale = (wide.abs().amax(dim=1) if absmax is None else absmax) / INT8_MAX
-    divisor = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
-    return (wide / divisor).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -45,10 +34,11 @@ def quantize_linear_layers(model: nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
     before = sum(m.weight.nbytes for m in layers)
     for module in layers:
-        absmax = module.weight.detach().float().abs().amax(dim=1)
+        absmax = None  # each row's own, but for a row-parallel shard's: the largest over the ranks
         if isinstance(module, RowParallelLinear) and tp_size() > 1:
+            absmax = module.weight.detach().float().abs().amax(dim=1)
             dist.all_reduce(absmax, op=dist.ReduceOp.MAX)
-        q, module.weight_scale = quantize_int8(module.weight, absmax)
+        q, module.weight_scale = quantize(module.weight.detach(), absmax)
         module.weight = nn.Parameter(q, requires_grad=False)
     after = sum(m.weight.nbytes + m.weight_scale.nbytes for m in layers)
     logger.info("int8 weights: the linear layers' and LM head's %d weights take %.1f MiB, were %.1f MiB",
