@@ -46,9 +46,7 @@ struct Step;
 template <>
 struct Step<int8_t> {
   static constexpr int inputs = 1;
-  static void widen(const int8_t* w, __m512* out) {
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-  }
+  static void widen(const int8_t* w, __m512* out) { out[0] = load16(w); }
 };
 
 // The steps that multiply x as it is: ``load`` a step's weights once per step of a tile, ``multiply_add`` them
@@ -81,9 +79,8 @@ template <>
 struct Step<Int8Pairs> {
   static constexpr int inputs = 2;
   static __m512bh load(const Int8Pairs* w) {
-    const __m128i* bytes = reinterpret_cast<const __m128i*>(w);
-    const __m512i first = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes))));
-    const __m512i second = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1))));
+    const int8_t* bytes = reinterpret_cast<const int8_t*>(w);
+    const __m512i first = _mm512_castps_si512(load16(bytes)), second = _mm512_castps_si512(load16(bytes + kLanes));
     return as_pairs(_mm512_or_si512(_mm512_srli_epi32(first, 16), second));
   }
   static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
