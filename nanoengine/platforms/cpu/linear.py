@@ -37,7 +37,8 @@ ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows take
 # F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
 KERNELS = ("torch", "onednn", "float32", "tiled")
 CHOICES = ("auto", *KERNELS)
-KERNEL_CODE = [Path(__file__).parent / "csrc" / name for name in ("cpu_linear.cpp", "cpu_simd.h", "cpu_vec.h")]  # our kernel's
+# our kernel's code
+KERNEL_CODE = [Path(__file__).parent / "csrc" / name for name in ("cpu_linear.cpp", "cpu_simd.h", "cpu_vec.h")]
 
 
 @dataclass
