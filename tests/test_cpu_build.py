@@ -9,6 +9,7 @@ import pytest
 
 from nanoengine.platforms.cpu import build
 from nanoengine.serve.cli import main
+from nanoengine.utils.cpu_info import cpu_flags
 
 
 @pytest.fixture
@@ -16,6 +17,8 @@ def no_compiler(monkeypatch, tmp_path):
     """A fresh cache, and an extension builder that fails as a machine without a compiler does; yields the
     number of times it was called."""
     monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv("NANOENGINE_CPU_ARCH", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
     calls = []
 
     def fail(*args, **kwargs):
@@ -59,6 +62,17 @@ def test_the_isa_of_each_level_is_the_compilers():
     assert {"avx2", "avx512f", "avx512bw", "avx512vl"} <= set(build.isa_of("x86-64-v4"))
     assert "avx2" not in build.isa_of("x86-64-v2")
     assert build.isa_of("no-such-cpu") == []
+
+
+# The scalar section (x86-64-v2), and the levels this CPU cannot run (the ones it runs are built and tested by
+# .ci/run, which runs the kernels' tests at each).
+UNRUNNABLE_LEVELS = ["x86-64-v2"] + ["x86-64-v3"] * ("avx2" not in cpu_flags()) + ["x86-64-v4"] * (
+    "avx512f" not in cpu_flags())
+
+
+@pytest.mark.parametrize("arch", UNRUNNABLE_LEVELS)
+def test_the_kernels_compile_at_a_level_this_cpu_does_not_run(arch):
+    build.check_compiles(arch)
 
 
 def test_cpu_info_reports_every_kernel_active_in_the_vector_section_of_the_build(capsys):

@@ -105,3 +105,16 @@ def isa_of(arch: str) -> list[str]:
         return []
     defined = {line.split()[1].strip("_").lower() for line in macros.splitlines() if line.startswith("#define __")}
     return [isa for isa in REPORTED_ISA if isa in defined]
+
+
+def check_compiles(arch: str) -> None:
+    """Compile every source for ``-march=arch`` without building, for a level this CPU cannot run: raises
+    CalledProcessError, with the compiler's errors on stderr, where one does not compile."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    for source in KERNEL_SOURCES:
+        subprocess.run([compiler(), "-std=c++17", "-fsyntax-only", *kernel_flags(arch), *includes,
+                        "-DTORCH_EXTENSION_NAME=nanoengine_cpu_kernels", str(source)], check=True)
