@@ -37,7 +37,8 @@ def is_gguf(model: str) -> bool:
 
 
 def gguf_config(path: str) -> PretrainedConfig:
-    """The Hugging Face config the file's metadata describes (Llama, Qwen2 or Qwen3); anything else is refused."""
+    """The Hugging Face config the file's metadata describes (Llama, Qwen2 or Qwen3); anything else, and a tensor of
+    a type the engine does not run or with no place in the model, is refused here, before anything is built."""
     reader = GGUFReader(path)
     architecture = field(reader, "general.architecture")
     if architecture not in ARCHITECTURES:
@@ -52,6 +53,9 @@ def gguf_config(path: str) -> PretrainedConfig:
     if rope_scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: rope scaling ({architecture}.rope.scaling.type {rope_scaling!r}, or a "
                          "rope_freqs.weight tensor) is not supported in a GGUF file")
+    for tensor in reader.tensors:
+        check_type(tensor.name, tensor.tensor_type)
+        hf_name(tensor.name)
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     file_type = field(reader, "general.file_type", None)

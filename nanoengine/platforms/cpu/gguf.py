@@ -19,7 +19,7 @@ from nanoengine.attention.torch_backend import quantize
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
 from nanoengine.platforms.cpu.quantize import pack_int4
-from nanoengine.utils.gguf_file import EIGHT_BIT_TYPES, FOUR_BIT_TYPES, as_float32, check_type, four_bit, hf_name
+from nanoengine.utils.gguf_file import EIGHT_BIT_TYPES, FOUR_BIT_TYPES, as_float32, four_bit, hf_name
 from nanoengine.utils.loader import check_all_loaded, load_tensor, target_of
 
 GROUP = 32  # the inputs per scale of every 4-bit type a file holds (Q4_K's 6-bit sub-block scales too)
@@ -27,10 +27,7 @@ GROUP = 32  # the inputs per scale of every 4-bit type a file holds (Q4_K's 6-bi
 
 def load_gguf(model: nn.Module, path: str, config: PretrainedConfig) -> None:
     reader = GGUFReader(path)
-    tensors = {}
-    for tensor in reader.tensors:
-        check_type(tensor.name, tensor.tensor_type)
-        tensors[hf_name(tensor.name)] = tensor
+    tensors = {hf_name(tensor.name): tensor for tensor in reader.tensors}  # names and types checked by gguf_config
     embeddings = tensors["model.embed_tokens.weight"]
     if "lm_head.weight" not in tensors and embeddings.tensor_type in FOUR_BIT_TYPES | EIGHT_BIT_TYPES:
         tensors["lm_head.weight"] = embeddings
@@ -39,8 +36,8 @@ def load_gguf(model: nn.Module, path: str, config: PretrainedConfig) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = set()
     for name, tensor in tensors.items():
-        layer = target_of(packed, name)[0].rpartition(".")[0]
-        for part, value in parts(name, tensor, formats.get(layer), config):
+        layer, _, kind = target_of(packed, name)[0].rpartition(".")
+        for part, value in parts(name, tensor, formats.get(layer) if kind == "weight" else None, config):
             loaded.add(load_tensor(params, packed, part, value))
     check_all_loaded(params, loaded, path)
     modules = dict(model.named_modules())
