@@ -321,7 +321,7 @@ def test_the_linear_kernel_through_linear_takes_views_and_batches(cpu_ops, dtype
     linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(0)
     weight, bias = torch.randn(64, 40, dtype=dtype), torch.randn(64, dtype=dtype)
-    choice = linear_module.only_kernel(weight, "avx512", linear_ops)
+    choice = linear_module.only_kernel(weight, "tiled", linear_ops)
     wide = torch.randn(2, 3, 96, dtype=dtype)
     out = linear(wide[..., :40], weight, bias, choice)
     assert out.shape == (2, 3, 64) and out.dtype == dtype
@@ -334,8 +334,8 @@ def test_the_linear_kernel_is_offered_only_for_weights_it_can_pack(cpu_ops):
     offered = [linear_module.kernels_for(torch.empty(shape, dtype=dtype), cpu_ops)
                for shape, dtype in (((64, 40), torch.bfloat16), ((40, 64), torch.bfloat16), ((64, 41), torch.bfloat16),
                                     ((64, 41), torch.float32), ((40, 64), torch.float32), ((64, 40), torch.float16))]
-    assert ["avx512" in kernels for kernels in offered] == [bf16, False, False, fp32, False, False]
-    assert "avx512" not in linear_module.kernels_for(torch.empty(64, 40))  # without the extension
+    assert ["tiled" in kernels for kernels in offered] == [bf16, False, False, fp32, False, False]
+    assert "tiled" not in linear_module.kernels_for(torch.empty(64, 40))  # without the extension
 
 
 def test_the_linear_kernel_refuses_what_it_cannot_read(cpu_ops):

@@ -117,7 +117,7 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
             assert_dequantized_product(out, x, q, scale, bias)
 
 
-@pytest.mark.parametrize("kernel", ["avx512", "float32", "torch"])
+@pytest.mark.parametrize("kernel", ["tiled", "float32", "torch"])
 def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kernel):
     """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
     ops = int8_ops(cpu_ops)
@@ -152,7 +152,7 @@ def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
 def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops):
     """Other shapes are dequantized into the float32 scratch (or, as the oracle, a new buffer)."""
     ops = int8_ops(cpu_ops)
-    assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "avx512")
+    assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "tiled")
     assert linear_module.kernels_for(torch.zeros(40, 64, dtype=torch.int8), ops) == ("torch", "float32")
 
 
@@ -265,7 +265,11 @@ def test_two_ranks_quantize_as_one(qwen2_dirs):
 
 
 @pytest.mark.slow
-def test_smollm2_int8_agrees_with_bfloat16_on_chat_prompts(smollm2_dir):
+def test_smollm2_int8_agrees_with_bfloat16_on_chat_prompts(smollm2_dir, monkeypatch):
+    # Both in the tiled kernel at every row count, so that the measured choice of kernel (which differs from machine
+    # to machine) does not move the first near-tie.
+    monkeypatch.setattr(linear_module, "measured_choices",
+                        lambda weights, *args: dict.fromkeys(weights, ("tiled",) * len(linear_module.ROW_BUCKETS)))
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
                  "Explain what a CPU cache is in one sentence."]
     chats = [[{"role": "user", "content": q}] for q in questions]

@@ -280,9 +280,16 @@ def run_tensor_parallel_node(parser: argparse.ArgumentParser, args: argparse.Nam
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"serve": serve, "prefix-report": prefix_report.main}
+    commands = {"serve": serve, "prefix-report": prefix_report.main, "cpu-info": cpu_info}
     if not argv or argv[0] not in commands:
         print("usage: nanoengine serve [MODEL] [--port N] [options]  (see nanoengine serve --help)\n"
-              "       nanoengine prefix-report REQUESTS.jsonl [--model DIR] [options]", file=sys.stderr)
+              "       nanoengine prefix-report REQUESTS.jsonl [--model DIR] [options]\n"
+              "       nanoengine cpu-info [--json]", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
+
+
+def cpu_info(argv: list[str]) -> int:
+    from nanoengine.tools.cpu_info import main as cpu_info_main  # builds the kernels: only when asked
+
+    return cpu_info_main(argv)
