@@ -20,7 +20,7 @@ from nanoengine.platforms.cpu import CpuPlatform
 from nanoengine.platforms.cpu import linear as linear_module
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
-from nanoengine.platforms.cpu.quantize import dequantize, quantize_linear_layers
+from nanoengine.platforms.cpu.quantize import dequantize, dequantize_int4, quantize_int4, quantize_linear_layers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]
@@ -66,6 +66,33 @@ def test_a_shard_quantized_with_the_full_rows_absmax_is_the_full_weights_slice()
     for shard, expected_q in zip(weight.chunk(2, dim=1), q.chunk(2, dim=1)):
         shard_q, shard_scale = quantize(shard, absmax)
         assert torch.equal(shard_scale, scale) and torch.equal(shard_q, expected_q)
+
+
+def test_the_int4_quantizer_on_groups_worked_by_hand():
+    """Per group of 32: scale = (max - min) / 15 and min in float16, q = round((w - min) / scale) in 0..15; a flat
+    group gets scale 0 and q 0; q packs two to a byte, the group's first 16 in the low nibbles."""
+    ramp = torch.arange(32, dtype=torch.float32) * 1.5  # min 0, max 46.5: scale 3.1 (3.099609375 in float16)
+    flat = torch.full((32,), -2.0)
+    packed, scale, minimum = quantize_int4(torch.stack([torch.cat([ramp, flat])]))
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    assert scale.tolist() == [[3.099609375, 0.0]] and minimum.tolist() == [[0.0, -2.0]]
+    expected_q = torch.round(ramp / 3.099609375).clamp(0, 15).to(torch.uint8)
+    assert packed[0, :16].tolist() == (expected_q[:16] | (expected_q[16:] << 4)).tolist()
+    assert packed[0, 16:].tolist() == [0] * 16
+    assert dequantize_int4(packed, scale, minimum).tolist() == [
+        (expected_q.float() * 3.099609375).tolist() + [-2.0] * 32]
+
+
+def test_the_int4_quantizer_rounds_each_value_to_the_nearest_step_of_its_group():
+    torch.manual_seed(3)
+    weight = torch.randn(16, 128) * torch.logspace(-3, 2, 16).unsqueeze(1)
+    packed, scale, minimum = quantize_int4(weight)
+    error = (dequantize_int4(packed, scale, minimum).double() - weight.double()).abs()
+    step, low = (t.double().repeat_interleave(32, dim=1) for t in (scale, minimum))
+    float16_rounding = (16 * step + low.abs()) * 2.0**-11  # of the minimum, and of the scale over 15 steps
+    assert (error <= step / 2 + float16_rounding).all()
+    with pytest.raises(ValueError, match="int4 weights: 48 inputs are not whole groups of 32"):
+        quantize_int4(torch.randn(4, 48))
 
 
 # The kernel against the dequantized weight's exact product ----------------------------------------------------------
@@ -160,21 +187,25 @@ def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops)
 
 @pytest.fixture(scope="module")
 def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
-    """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and a copy whose linear weights are
-    their int8 quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
-    multiplies by, in float32."""
+    """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and copies whose linear weights are
+    their int8 (or 4-bit) quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
+    (or 'int4') multiplies by, in float32."""
     original = tmp_path_factory.mktemp("int8-qwen2")
     build_tiny_model("qwen2", original, smollm2_dir, initializer_range=0.5)
-    dequantized = shutil.copytree(original, original.with_name("int8-qwen2-dequantized"))
-    weights = load_file(dequantized / "model.safetensors")
-    for name, weight in weights.items():
-        if name.endswith(".weight") and name.split(".")[-2] in HF_LINEARS:
-            weights[name] = dequantize(*quantize(weight))
-    weights["lm_head.weight"] = dequantize(*quantize(weights["model.embed_tokens.weight"]))
-    save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dequantized / "config.json").read_text())
-    (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
-    return {"original": str(original), "dequantized": str(dequantized)}
+    dirs = {"original": str(original)}
+    for name, round_trip in (("dequantized", lambda w: dequantize(*quantize(w))),
+                             ("int4-dequantized", lambda w: dequantize_int4(*quantize_int4(w)))):
+        dequantized = shutil.copytree(original, original.with_name(f"int8-qwen2-{name}"))
+        weights = load_file(dequantized / "model.safetensors")
+        for key, weight in weights.items():
+            if key.endswith(".weight") and key.split(".")[-2] in HF_LINEARS:
+                weights[key] = round_trip(weight)
+        weights["lm_head.weight"] = round_trip(weights["model.embed_tokens.weight"])
+        save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((dequantized / "config.json").read_text())
+        (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+        dirs[name] = str(dequantized)
+    return dirs
 
 
 def run(folder: str, prompts=PROMPTS, **options) -> tuple[list[list[int]], list[list[float]]]:
@@ -191,6 +222,16 @@ def test_int8_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2
     expected_tokens, expected_logprobs = run(qwen2_dirs["dequantized"], dtype="float32")
     assert tokens == expected_tokens
     for row, expected in zip(logprobs, expected_logprobs):  # they differ by up to 4e-5 here
+        assert row == pytest.approx(expected, abs=2e-4)
+
+
+def test_int4_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="nanoengine.platforms.cpu.quantize"):
+        tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization="int4")
+    assert "int4 weights: the linear layers' and LM head's 9 weights take" in caplog.text
+    expected_tokens, expected_logprobs = run(qwen2_dirs["int4-dequantized"], dtype="float32")
+    assert tokens == expected_tokens
+    for row, expected in zip(logprobs, expected_logprobs):
         assert row == pytest.approx(expected, abs=2e-4)
 
 
@@ -227,7 +268,7 @@ def assert_agree_until_a_near_tie(tokens: list[list[int]], expected: list, max_g
 
 def test_the_options_errors_name_quantization(sharp_tiny_model, monkeypatch):
     folder = sharp_tiny_model[0]
-    with pytest.raises(ValueError, match=r"quantization must be one of \('int8',\) or None, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'int4'\) or None, got 'fp8'"):
         LLM(folder, quantization="fp8")
     with pytest.raises(ValueError, match="quantization='int8' runs on the CPU with attention_backend='cpu'"):
         LLM(folder, quantization="int8", attention_backend="torch")
