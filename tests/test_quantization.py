@@ -108,12 +108,6 @@ def cpu_ops():
     return kernels
 
 
-def int8_ops(cpu_ops):
-    if "int8" not in cpu_ops.linear_dtypes():
-        pytest.skip("this CPU cannot run the int8 kernel (AVX-512), so quantization='int8' is refused (tested below)")
-    return cpu_ops
-
-
 def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias):
     """Each output is the exact product with the dequantized weight, rounded once to out's dtype, give or take what
     float32 accumulation (K roundings of the largest partial sum), the scale's multiply and the bias's add move it."""
@@ -132,7 +126,7 @@ def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, q: torch.Tens
 def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features):
     """Rows 1..33 (every split of the 1-2, 3-4 and 8-row tiles and each remainder) and 300, partial tiles of
     blocks (3 and 7 blocks), an odd K, with and without bias, NaN in out before each call."""
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     torch.manual_seed(out_features)
     q, scale = quantize(torch.randn(out_features, in_features))
     packed = linear_module.pack_steps(q)
@@ -147,7 +141,7 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
 @pytest.mark.parametrize("kernel", ["tiled", "float32", "torch"])
 def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kernel):
     """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     torch.manual_seed(2)
     q, scale = quantize(torch.randn(64, 40))
     bias = torch.randn(64, dtype=torch.bfloat16)
@@ -161,7 +155,7 @@ def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kerne
 
 
 def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     q, scale = quantize(torch.randn(32, 8))
     packed, x, out = linear_module.pack_steps(q), torch.randn(3, 8), torch.empty(3, 32)
     for args, message in (((x, packed, None, None, out), "needs its scale"),
@@ -178,7 +172,7 @@ def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
 
 def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops):
     """Other shapes are dequantized into the float32 scratch (or, as the oracle, a new buffer)."""
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "tiled")
     assert linear_module.kernels_for(torch.zeros(40, 64, dtype=torch.int8), ops) == ("torch", "float32")
 

@@ -39,7 +39,7 @@ class CpuPlatform(Platform):
         self.quantization = quantization
         if quantization == "int8" and (self.kernels is None or quantization not in self.kernels.linear_dtypes()):
             raise ValueError(f"quantization={quantization!r}: this machine's CPU kernels cannot multiply "
-                             f"{quantization} weights (they need AVX-512 and a C++ compiler: see the warning above); "
+                             f"{quantization} weights (they need a C++ compiler: see the warning above); "
                              "leave quantization unset")
 
     def attention_backend(self, name: str):

@@ -143,7 +143,7 @@ inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, 
 #endif
 
 // HEADS query heads of one group over a request's context, 16 keys at a time in Vec16s, each head's output sum
-// kept in HEADS x HEAD_DIM / 16 vectors (half the registers at most) for the whole context. For each query head,
+// kept in HEADS x HEAD_DIM / 16 vectors (16 at most) for the whole context. For each query head,
 // its 16 dot products are finished by one sum_each16 and scaled, and the softmax runs on their 16 lanes; then
 // each V row is widened to float32 and added into every head's sum (in bfloat16, two rows at a time by
 // add_value_pairs). HEADS is the exact count (a test per head in the loop over V rows cost 15% at 3 heads), so a
@@ -250,12 +250,13 @@ constexpr auto attend_heads_by_count(std::integer_sequence<int, H...>) {
 }
 
 // attend_group's contract for head sizes that are a multiple of 32 (up to 256): the group kHeads query heads
-// at a time, as many as attend_heads keeps in half the vector registers, and the rest in one call.
+// at a time, as many as keep their sums in 16 Vec16s (AVX-512's registers hold them; on AVX2 they live in L1,
+// each loaded and stored once a run of keys, which costs less than reading the K and V rows again per head).
 template <typename T, typename C, int HEAD_DIM>
 void attend_group_vectors(const T* q, float scale, const HeadCache<C>& cache, const int32_t* block_table,
                           int seq_len, int group, int, T* out, float*) {
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "add_value_pairs takes 32 columns at a time");
-  constexpr int kHeads = std::max(1, kVectorRegisters / 2 / (HEAD_DIM / 16));
+  constexpr int kHeads = 16 / (HEAD_DIM / 16);
   constexpr auto attend = attend_heads_by_count<T, C, HEAD_DIM>(std::make_integer_sequence<int, kHeads>());
   for (int h = 0; h < group; h += kHeads)
     attend[std::min(kHeads, group - h) - 1](q + h * HEAD_DIM, scale, cache, block_table, seq_len,
