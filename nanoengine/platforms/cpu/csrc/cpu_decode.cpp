@@ -2,8 +2,8 @@
 //
 // Gathering a request's K and V into one tensor and calling SDPA reads every byte three times (gather,
 // write, attend). Here each (request, KV head) walks its block table: a block's K and V rows come from
-// memory and are reused from L1 by the group's query heads (with AVX-512, by as many as their sums fit in 16
-// vectors: 4 at head size 64, 2 at 128; a larger group walks the table once per such chunk), while the next
+// memory and are reused from L1 by the group's query heads (as many as their sums fit in 16 Vec16s: 4 at head
+// size 64, 2 at 128; a larger group walks the table once per such chunk), while the next
 // block (elsewhere in memory) is prefetched. Softmax is online, as in the Triton kernel: a running max ``m``
 // and sum ``l`` per query head, the accumulator rescaled whenever the max grows. Everything is summed in
 // float32, whatever the cache's dtype (in bfloat16 with AVX512-BF16, P is rounded to bfloat16 before it
@@ -47,14 +47,13 @@ struct HeadCache {
   }
 };
 
-// The query heads of one KV head (``group`` rows of ``q``) over one request's context, in plain loops.
-// HEAD_DIM > 0 fixes the head size at compile time, so the compiler unrolls and vectorizes every row loop
-// and keeps a head's sum in registers; 0 is the general case. ``work`` holds q scaled, the scores of one
-// block and, per query head, m, l and the sum.
-template <typename T, typename C, int HEAD_DIM>
+// The query heads of one KV head (``group`` rows of ``q``) over one request's context, in plain loops: head sizes
+// other than 64 and 128 (attend_group_vectors takes those). ``work`` holds q scaled, the scores of one block and,
+// per query head, m, l and the sum.
+template <typename T, typename C>
 void attend_group(const T* q_raw, float scale, const HeadCache<C>& cache, const int32_t* block_table, int seq_len,
-                  int group, int head_dim_, T* out, float* work) {
-  const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_, block_size = cache.block_size;
+                  int group, int head_dim, T* out, float* work) {
+  const int block_size = cache.block_size;
   const int64_t token_stride = cache.token_stride;
   float *q = work, *scores = q + group * head_dim, *m = scores + block_size, *l = m + group, *acc = l + group;
   for (int e = 0; e < group * head_dim; ++e) q[e] = float(q_raw[e]) * scale;
@@ -84,14 +83,12 @@ void attend_group(const T* q_raw, float scale, const HeadCache<C>& cache, const 
       }
       m[g] = block_max;
       l[g] = l[g] * rescale + block_sum;
-      float local[HEAD_DIM > 0 ? HEAD_DIM : 1];
-      float* sum = HEAD_DIM > 0 ? local : acc + g * head_dim;  // the general case sums in place
-      for (int d = 0; d < head_dim; ++d) sum[d] = acc[g * head_dim + d] * rescale;
+      float* sum = acc + g * head_dim;
+      for (int d = 0; d < head_dim; ++d) sum[d] *= rescale;
       for (int t = 0; t < n; ++t) {
         const float p = scores[t] * token_scale<C>(cache.v_scale, first + t, cache.scale_stride);
         for (int d = 0; d < head_dim; ++d) sum[d] += p * float(v[t * token_stride + d]);
       }
-      std::copy(sum, sum + head_dim, acc + g * head_dim);
     }
   }
   for (int g = 0; g < group; ++g)
@@ -274,7 +271,7 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t table_stride = block_tables.stride(0), q_token_stride = q.stride(0);
   auto attend = head_dim == 64    ? attend_group_vectors<T, C, 64>
                 : head_dim == 128 ? attend_group_vectors<T, C, 128>
-                                  : attend_group<T, C, 0>;
+                                  : attend_group<T, C>;
   const T* q_data = q.data_ptr<T>();
   const C *k_data = k_cache.data_ptr<C>(), *v_data = v_cache.data_ptr<C>();
   const float *k_scales = k_scale.data_ptr<float>(), *v_scales = v_scale.data_ptr<float>();  // null if empty

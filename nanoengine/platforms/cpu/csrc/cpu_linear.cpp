@@ -1,17 +1,15 @@
-// y = x W^T + b for a few rows of x, in AVX-512: the decode step's linear layers. At up to a few dozen rows a
-// layer's time is reading its weight, and oneDNN reads it at about half the memory's speed there; this kernel
-// reads the weight in long streams, each byte once per 8 rows, and keeps 24 sums in registers.
+// y = x W^T + b for a few rows of x, on the vector layer (cpu_vec.h): the decode step's linear layers. At up to
+// a few dozen rows a layer's time is reading its weight, and oneDNN reads it at about half the memory's speed
+// there; this kernel reads the weight in long streams, each byte once per row chunk, and keeps its sums in
+// registers (tiles of 8 rows x 3 blocks with AVX-512's 32 registers, 3 x 2 with AVX2's 16).
 //
-// The weight is packed once (platforms/cpu/linear.py) so that one load holds 16 outputs' weights for one step
-// of the inputs: a pair of inputs (k, k+1) in bfloat16 (64 bytes), which `vdpbf16ps` (AVX512-BF16) multiplies by
-// a broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), one input k in float32 (64 bytes), which an
-// FMA multiplies by a broadcast x, or one input k in int8 (16 bytes), widened to float32 in registers and met by
-// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs). The layout is
-// [N/16, K/step, 16, step]. Each task computes V blocks
-// of 16 outputs for every row, 8 rows at a time; a block's weight stays in L2 between row chunks. The sums are
-// float32 (an int8 weight's times its output's scale at the end), then the bias is added and each output rounded
-// once to the output's dtype (to nearest, ties to even, as torch's matmul rounds). Built with the attention
-// kernels by build.py; tested in tests/test_layers.py and tests/test_quantization.py.
+// The weight is packed once (platforms/cpu/linear.py), [N/16, K/step, 16, step], so that one step of the inputs
+// holds 16 outputs' weights: one input in float32 (64 bytes) or int8 (16 bytes, W8A16: docs/quantization.md), or a
+// pair of inputs (k, k+1) in bfloat16 (64 bytes). Each step is widened to float32 in registers and meets each
+// row's broadcast x in an FMA; with AVX512-BF16, bfloat16 pairs (and int8 ones, see Int8Pairs) meet bfloat16 x in
+// `vdpbf16ps` instead. The sums are float32 (an int8 weight's times its output's scale at the end), then the bias
+// is added and each output rounded once to the output's dtype (to nearest, ties to even, as torch's matmul
+// rounds). Tested in tests/test_layers.py and tests/test_quantization.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -99,11 +97,7 @@ constexpr bool kPairs = false;
 #endif
 
 template <typename W>
-struct InputOf {
-  using type = std::conditional_t<kPairs<W>, at::BFloat16, float>;
-};
-template <typename W>
-using Input = typename InputOf<W>::type;  // what x is read as
+using Input = std::conditional_t<kPairs<W>, at::BFloat16, float>;  // what x is read as
 
 template <typename W>
 constexpr int64_t kBlockStep = kLanes * Step<W>::inputs;  // elements of one step of one block
