@@ -34,8 +34,8 @@ test-fast: setup
 # The CPU kernels' tests again at each instruction-set level this CPU runs besides its own (NANOENGINE_CPU_ARCH):
 # x86-64-v3 (AVX2), and x86-64-v4 (AVX-512 without its later extensions) where the CPU has AVX-512. `make test`
 # compile-checks the levels it cannot run and the scalar section (tests/test_cpu_build.py).
-KERNEL_TESTS := tests/test_cpu_build.py tests/test_cpu_attention.py tests/test_layers.py tests/test_kv_cache_int8.py \
-	tests/test_quantization.py
+KERNEL_TESTS := tests/test_cpu_attention.py tests/test_layers.py tests/test_kv_cache_int8.py tests/test_quantization.py \
+	tests/test_cpu_build.py::test_cpu_info_reports_every_kernel_active_in_the_vector_section_of_the_build
 KERNEL_LEVELS := x86-64-v3 $(if $(shell grep -w -m1 -o avx512f /proc/cpuinfo),x86-64-v4)
 
 test-kernel-levels: setup

@@ -115,6 +115,9 @@ def check_compiles(arch: str) -> None:
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
-    for source in KERNEL_SOURCES:
-        subprocess.run([compiler(), "-std=c++17", "-fsyntax-only", *kernel_flags(arch), *includes,
-                        "-DTORCH_EXTENSION_NAME=nanoengine_cpu_kernels", str(source)], check=True)
+    compiles = [[compiler(), "-std=c++17", "-fsyntax-only", *kernel_flags(arch), *includes,
+                 "-DTORCH_EXTENSION_NAME=nanoengine_cpu_kernels", str(source)] for source in KERNEL_SOURCES]
+    running = [(command, subprocess.Popen(command)) for command in compiles]  # all at once: every core helps
+    for command, process in running:
+        if process.wait():
+            raise subprocess.CalledProcessError(process.returncode, command)
