@@ -17,8 +17,8 @@ from test_server import alive, descendants, wait_for
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
+from nanoengine.serve.cluster.router import CoreLoad, Router, prompt_hashes
 from nanoengine.serve.engine_core import pin_gpus
-from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
 
 MAX_MODEL_LEN = 512
 FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--data-parallel-size", "2")

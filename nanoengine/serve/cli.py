@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 import types
 import typing
@@ -33,13 +32,13 @@ from nanoengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SE
 from nanoengine.distributed import env_rank, ip_addresses
 from nanoengine.engine.processor import Processor
 from nanoengine.engine.worker import run_node
-from nanoengine.serve import prefix_report
-from nanoengine.serve.admission import Admission, AdmissionLimits
-from nanoengine.serve.api_server import OpenAIServer, create_app
+from nanoengine.serve.api_server import create_app
 from nanoengine.serve.client import STOP_TIMEOUT_S, EngineCoreClient, logger
+from nanoengine.serve.cluster.admission import AdmissionControl, AdmissionLimits
+from nanoengine.serve.cluster.limits import connection_limit, filter_repeats, raise_open_file_limit
 from nanoengine.serve.engine_core import run_headless_core
-from nanoengine.serve.limits import connection_limit, filter_repeats, raise_open_file_limit
 from nanoengine.serve.metrics import Metrics
+from nanoengine.serve.pipeline import OpenAIServer
 from nanoengine.serve.tools import TOOL_CALL_PARSERS
 from nanoengine.utils.default_model import default_model_path
 from nanoengine.utils.gc_heap import freeze_startup_heap
@@ -189,7 +188,7 @@ async def run_server(args: argparse.Namespace, config: EngineConfig, cluster_key
         validator.config.max_model_len = await client.start()
         server = OpenAIServer(client, validator, [name, config.model], metrics,
                               args.tool_call_parser if args.enable_auto_tool_choice else None,
-                              Admission(admission_limits(args, config)))
+                              AdmissionControl(admission_limits(args, config)))
         app = create_app(server, args.api_key, args.max_request_bytes)
         http = HTTPServer(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=STOP_TIMEOUT_S,
                                          limit_concurrency=connection_limit(open_files)))
@@ -276,13 +275,3 @@ def run_tensor_parallel_node(parser: argparse.ArgumentParser, args: argparse.Nam
     logger.info("running tensor-parallel rank(s) %s; node 0 runs the engine", config.node_ranks())
     run_node(config)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"serve": serve, "prefix-report": prefix_report.main}
-    if not argv or argv[0] not in commands:
-        print("usage: nanoengine serve [MODEL] [--port N] [options]  (see nanoengine serve --help)\n"
-              "       nanoengine prefix-report REQUESTS.jsonl [--model DIR] [options]", file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])

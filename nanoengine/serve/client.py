@@ -34,16 +34,18 @@ from zmq.utils.monitor import parse_monitor_message
 from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import field_error
+from nanoengine.serve.cluster.router import CoreLoad, Router, prompt_hashes
+from nanoengine.serve.cluster.supervisor import RestartPolicy
 from nanoengine.serve.codec import (
     TO_FRONT,
     Abort,
-    Admission,
     Challenge,
     Codec,
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreRequest,
     Hello,
+    JoinReply,
     Proof,
     Ready,
     mac,
@@ -51,8 +53,6 @@ from nanoengine.serve.codec import (
     proves,
 )
 from nanoengine.serve.engine_core import HEARTBEAT_MS, fingerprint, run_engine_core
-from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
-from nanoengine.serve.supervisor import RestartPolicy
 
 logger = logging.getLogger("nanoengine.serve")
 STOP_TIMEOUT_S = 30  # how long a stopping engine core may take to close before it is killed
@@ -210,7 +210,7 @@ class EngineCoreClient:
             core.identity, core.connection, core.dead, core.ready = identity, connection, None, False
         else:
             logger.warning("refused an engine core claiming rank %d: %s", hello.rank, why)
-        reply = Admission(why, mac(self.cluster_key, "front", hello.nonce, nonce) if why is None else b"")
+        reply = JoinReply(why, mac(self.cluster_key, "front", hello.nonce, nonce) if why is None else b"")
         await self.socket.send_multipart([identity, self.codec.encode(reply)])
 
     def refusal(self, hello: Hello) -> str | None:

@@ -12,7 +12,7 @@ so that one side's answer never serves as the other's:
     core  -> front   Hello(rank, fingerprint, nonce)
     front -> core    Challenge(nonce)
     core  -> front   Proof(mac)                  HMAC(key, "core" + the front's nonce + the core's)
-    front -> core    Admission(refusal, mac)     HMAC(key, "front" + the core's nonce + the front's); refusal
+    front -> core    JoinReply(refusal, mac)     HMAC(key, "front" + the core's nonce + the front's); refusal
                                                  None: welcome, else why not
     core  -> front   Ready                       once it loaded the model
     front -> core    EngineCoreRequest, Abort    from then on
@@ -47,7 +47,7 @@ class Proof(msgspec.Struct, tag=True):
     mac: bytes
 
 
-class Admission(msgspec.Struct, tag=True):
+class JoinReply(msgspec.Struct, tag=True):
     refusal: str | None  # None: the core is admitted
     mac: bytes
 
@@ -81,7 +81,7 @@ class EngineCoreFailed(msgspec.Struct, tag=True):
 
 
 TO_FRONT = Hello | Proof | Ready | EngineCoreOutputs | EngineCoreFailed
-TO_CORE = Challenge | Admission | EngineCoreRequest | Abort
+TO_CORE = Challenge | JoinReply | EngineCoreRequest | Abort
 
 
 class Codec:

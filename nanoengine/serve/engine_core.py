@@ -32,13 +32,13 @@ from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.serve.codec import (
     TO_CORE,
     Abort,
-    Admission,
     Challenge,
     Codec,
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreRequest,
     Hello,
+    JoinReply,
     Proof,
     Ready,
     mac,
@@ -149,10 +149,10 @@ def join(socket: zmq.Socket, codec: Codec, hello: Hello, cluster_key: bytes) -> 
     socket.send(codec.encode(hello))
     challenge = receive(socket, codec, Challenge)
     socket.send(codec.encode(Proof(mac(cluster_key, "core", challenge.nonce, hello.nonce))))
-    admission = receive(socket, codec, Admission)
-    if admission.refusal is None and not proves(cluster_key, admission.mac, "front", hello.nonce, challenge.nonce):
+    reply = receive(socket, codec, JoinReply)
+    if reply.refusal is None and not proves(cluster_key, reply.mac, "front", hello.nonce, challenge.nonce):
         return "the front did not prove that it holds the cluster key (is this core's key the server's?)"
-    return admission.refusal
+    return reply.refusal
 
 
 def receive(socket: zmq.Socket, codec: Codec, expected: type):

@@ -10,11 +10,11 @@ LLMEngine.make_request, the checks the offline LLM runs. Every error names its f
 """
 
 import json
+from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from nanoengine.config import GENERATION_DEFAULTS
 from nanoengine.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -63,17 +63,21 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False  # with include_usage: every chunk carries its choice's usage so far
 
 
+FormatType = Literal["text", "json_object", "json_schema"]
+
+
 class JsonSchemaFormat(Body):
     name: Text | None = None
     json_schema: JsonObject = Field(alias="schema")
 
 
 class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: FormatType
     json_schema: JsonSchemaFormat | None = None
 
 
-# OpenAI's and vLLM's fields that nanoengine does not implement: name -> (the values that leave it off, why).
+# OpenAI's and vLLM's fields that nanoengine does not implement: name -> (the values that leave it off, why). A
+# request that sets one to anything else is refused with a 400 naming it.
 NOT_IMPLEMENTED = {
     "use_beam_search": ((False,), "beam search is not implemented"),
     "length_penalty": ((1,), "length_penalty applies to beam search, which is not implemented"),
@@ -122,16 +126,44 @@ COMPLETIONS_NOT_IMPLEMENTED = {
     "add_special_tokens": ((None, True), "a text prompt is always encoded with the tokenizer's special tokens "
                                          "(send token ids for another encoding)"),
 }
+NOT_STORED = "not supported by this server (responses are not stored, and there are no hosted tools or reasoning " \
+             "settings)"
+RESPONSES_NOT_IMPLEMENTED = {
+    "store": ((None, False), "this server stores no responses; send store=false"),
+    **{name: ((None, False, []), NOT_STORED) for name in ("previous_response_id", "conversation", "prompt",
+                                                          "background", "include", "reasoning", "top_logprobs",
+                                                          "max_tool_calls")},
+}
 
 
-# The request fields that generation_config.json can default (its max_new_tokens is the token limit).
-SAMPLING_FIELDS = tuple(name for name in GENERATION_DEFAULTS if name != "max_new_tokens")
+class TopLevelBody(Body):
+    """A request's whole body: its fields, the ones refused (``not_implemented``), and keys kept apart."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown keys land in model_extra: see unknown_fields()
+    not_implemented: ClassVar[dict] = {}
+
+    def unknown_fields(self) -> list[str]:
+        """The body's keys that no OpenAI or vLLM request has; raises for one this server does not implement."""
+        for name, value in (self.model_extra or {}).items():
+            off, why = self.not_implemented.get(name, ((value,), ""))
+            if value not in off:
+                raise field_error(name, f"{name}: {why}")
+        return [name for name in self.model_extra or {} if name not in self.not_implemented]
+
+    def names(self) -> dict[str, str]:
+        """The body's name for each engine field (or, for a body served as a chat request, chat field) that an
+        error may name, where it differs: see APIError.renamed."""
+        return {}
 
 
-class GenerationRequest(Body):
+# SamplingParams' fields that a request passes on as they are, when it has them; the others are computed.
+COMPUTED = {"max_tokens", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "output_kind"}
+PASSED_ON = [f.name for f in fields(SamplingParams) if f.init and f.name not in COMPUTED]
+
+
+class GenerationRequest(TopLevelBody):
     """What /v1/completions and /v1/chat/completions share (OpenAI's fields, then vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)  # kept apart, in model_extra: see unknown_fields()
     not_implemented: ClassVar[dict] = NOT_IMPLEMENTED
     model: Text | None = None
     max_tokens: Int64 | None = None
@@ -166,29 +198,25 @@ class GenerationRequest(Body):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
 
-    def unknown_fields(self) -> list[str]:
-        """The body's keys that no OpenAI or vLLM request has; raises for one this server does not implement."""
-        for name, value in (self.model_extra or {}).items():
-            off, why = self.not_implemented.get(name, ((value,), ""))
-            if value not in off:
-                raise field_error(name, f"{name}: {why}")
-        return [name for name in self.model_extra or {} if name not in self.not_implemented]
+    def as_generation(self) -> "GenerationRequest":
+        return self
+
+    def names(self) -> dict[str, str]:
+        names = {"prompt_token_ids": "prompt"}
+        return names | ({"structured_outputs": "response_format"} if self.structured_outputs is None else {})
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation_config values (``LLMEngine.config.default_sampling_params()``)."""
         if self.stream_options is not None and not self.stream:
             raise field_error("stream_options", "stream_options needs stream=true")
-        given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
-        sampling = {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS} | given
-        return SamplingParams(
-            **sampling, n=self.n, seed=self.seed, logit_bias=token_id_keys(self.logit_bias),
-            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
-            prompt_logprobs=prompt_logprobs,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
+        passed = {name: getattr(self, name) for name in PASSED_ON if getattr(self, name) is not None}
+        return SamplingParams(**{name: value for name, value in defaults.items() if name != "max_tokens"} | passed,
+                              max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logit_bias=token_id_keys(self.logit_bias), output_kind=RequestOutputKind.DELTA,
+                              structured_outputs=structured_outputs_params(self.response_format,
+                                                                           self.structured_outputs))
 
 
 def token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -333,6 +361,14 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: JsonObject | None = None  # extra variables for the chat template (e.g. enable_thinking)
     documents: list[dict[Text, Text]] | None = None  # for templates that render retrieved documents
     include_reasoning: bool = True  # vLLM's; no reasoning parser runs, so there is no reasoning to leave out
+
+    def names(self) -> dict[str, str]:
+        names = super().names() | {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            names["structured_outputs"] = "tools"  # the grammar of a forced tool call: its parameters' schema
+        return names
 
     def template_options(self) -> dict:
         """What the chat template gets besides the messages."""

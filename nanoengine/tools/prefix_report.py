@@ -1,7 +1,7 @@
 """``nanoengine prefix-report REQUESTS.jsonl``: which part of a prompt template breaks prefix-cache reuse.
 
     nanoengine prefix-report REQUESTS.jsonl [--model DIR] [--num-blocks N] [--block-size 16] [--json] [--plot FILE]
-    python -m nanoengine.serve.prefix_report ...     (the same)
+    python -m nanoengine.tools.prefix_report ...     (the same)
 
 Each line is one request body: ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}``
 (rendered by the model's chat template as ``LLM.chat`` renders it), each with an optional ``cache_salt``; other

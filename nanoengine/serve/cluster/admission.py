@@ -5,7 +5,7 @@ A request waits from the moment the front takes it (while it is tokenized, in an
 queue, through its prefill) until its first token: that is the wait a client sees. The front counts every
 waiting request and, once tokenized, its prompt tokens. ``AdmissionGate`` refuses a generation request
 before its body is read while the queue is full (429, with ``Retry-After``) or the server drains (503),
-so a flood costs the front almost nothing; ``Admission.add_tokens`` refuses one whose prompt would take
+so a flood costs the front almost nothing; ``AdmissionControl.add_tokens`` refuses one whose prompt would take
 the waiting tokens past their cap (429), before it reaches an engine core. A request that gets no first
 token within ``max_queue_seconds`` is aborted in its core and answered 503 (``OpenAIServer.respond``
 waits for the first token before it starts a stream, so nothing is ever half-streamed).
@@ -20,6 +20,8 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from nanoengine.serve.errors import SHUTTING_DOWN, APIError, engine_gone, overloaded
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 RETRY_AFTER_MAX_S = 60
@@ -42,7 +44,7 @@ class Ticket:
     waiting: bool = True
 
 
-class Admission:
+class AdmissionControl:
     def __init__(self, limits: AdmissionLimits):
         self.limits = limits
         self.tickets: set[Ticket] = set()  # every request in flight, waiting or not
@@ -115,25 +117,20 @@ class Admission:
                          "num_ready_engines": num_ready_cores}
 
 
-def error_body(status: int, message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-
-
 class AdmissionGate:
     """ASGI middleware: a generation request gets a ``Ticket`` (in ``scope["state"]["admission"]``) for as long
     as its response lasts, or a 429 / 503 before its body is read."""
 
-    def __init__(self, app, admission: Admission):
+    def __init__(self, app, admission: AdmissionControl):
         self.app, self.admission = app, admission
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_ROUTES:
             return await self.app(scope, receive, send)
         if self.admission.draining:
-            return await refuse(send, 503, "the server is shutting down", "service_unavailable", {})
+            return await refuse(send, engine_gone(SHUTTING_DOWN))
         if why := self.admission.full():
-            return await refuse(send, 429, f"the server is overloaded: {why}; retry later", "rate_limit_exceeded",
-                                {"retry-after": str(self.admission.retry_after())})
+            return await refuse(send, overloaded(why, self.admission.retry_after()))
         ticket = self.admission.enter()
         scope.setdefault("state", {})["admission"] = ticket
         try:
@@ -142,9 +139,9 @@ class AdmissionGate:
             self.admission.leave(ticket)
 
 
-async def refuse(send, status: int, message: str, kind: str, headers: dict[str, str]) -> None:
-    body = error_body(status, message, kind)
-    headers = {"content-type": "application/json", "content-length": str(len(body)), **headers}
-    await send({"type": "http.response.start", "status": status,
+async def refuse(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = {"content-type": "application/json", "content-length": str(len(body)), **(error.headers or {})}
+    await send({"type": "http.response.start", "status": error.status,
                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
     await send({"type": "http.response.body", "body": body})
