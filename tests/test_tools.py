@@ -278,7 +278,7 @@ def test_auto_with_a_template_that_does_not_render_tools_is_a_400(sharp_tiny_mod
     """SmolLM2's template drops tools: under "auto" the model would never see them. A named call needs no
     template: its grammar holds the function's schema."""
     def prompt(folder, tool_choice):
-        front = OpenAIServer(SimpleNamespace(dead=None), Processor(EngineConfig(folder)), ["m"], None, "hermes")
+        front = OpenAIServer(SimpleNamespace(unavailable=None), Processor(EngineConfig(folder)), ["m"], None, "hermes")
         body = ChatCompletionRequest(messages=ASK, tools=[WEATHER], tool_choice=tool_choice)
         return front.prepare(body).requests[0].prompt_token_ids
 

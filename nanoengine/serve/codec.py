@@ -21,15 +21,23 @@ so that one side's answer never serves as the other's:
 
 import hashlib
 import hmac
+import logging
 import secrets
 from typing import Annotated, Any
 
 import msgspec
+import zmq
 
+from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
 NONCE_BYTES = 32
+HEARTBEAT_TIMEOUT_S = 5  # a peer silent this long (a stopped or swapping process) loses its connection
+ENTRY_BYTES = 256  # the most a token's logprob entry takes in a frame: its id, logprob, rank and text
+REQUEST_BYTES = 4 * 2**20  # room for a request's own fields: a structured output's schema, stop strings
+FRAME_MARGIN = 4
+logger = logging.getLogger("nanoengine.serve")
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 
 
@@ -84,6 +92,23 @@ TO_FRONT = Hello | Proof | Ready | EngineCoreOutputs | EngineCoreFailed
 TO_CORE = Challenge | JoinReply | EngineCoreRequest | Abort
 
 
+def max_frame_bytes(config: EngineConfig) -> int:
+    """The cluster sockets' cap on one frame: a margin over the largest legal one, a step's outputs where each
+    token of the step and of a whole prompt carries max_logprobs + 1 entries. A peer that sends a larger frame
+    loses its connection (ZMQ's MAXMSGSIZE) instead of making the other side hold it."""
+    tokens = config.max_num_batched_tokens + config.max_model_len
+    return FRAME_MARGIN * (tokens * (config.max_logprobs + 2) * ENTRY_BYTES + REQUEST_BYTES)
+
+
+def cluster_socket(context: zmq.Context, kind: int, config: EngineConfig) -> zmq.Socket:
+    """A socket of the front <-> core link: heartbeats (a silent peer is dropped) and the frame cap."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S * 1000)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(config))
+    return socket
+
+
 class Codec:
     """One side's encoder, and its decoder of what the other side sends (``TO_FRONT`` or ``TO_CORE``)."""
 
@@ -100,6 +125,14 @@ class Codec:
             return self.decoder.decode(memoryview(frames[0]))
         except Exception as error:  # whatever a hostile frame makes the decoder raise (depth, size, bad values)
             raise ValueError(f"{type(error).__name__}: {error}") from None
+
+    def receive(self, socket: zmq.Socket):
+        """The core's side: the next message from the front, or None (logged) when its frame does not decode."""
+        try:
+            return self.decode(socket.recv_multipart(copy=False))
+        except ValueError as error:
+            logger.warning("engine core: dropped a frame from the front: %s", error)
+            return None
 
 
 def new_nonce() -> bytes:

@@ -99,8 +99,8 @@ class OpenAIServer:
 
     def prepare(self, body: GenerationRequest) -> Prepared:
         """The request validated and tokenized (slow for a long prompt: called in a worker thread)."""
-        if self.client.dead or self.shutting_down:
-            raise engine_gone(self.client.dead or SHUTTING_DOWN)
+        if self.client.unavailable or self.shutting_down:
+            raise engine_gone(self.client.unavailable or SHUTTING_DOWN)
         if body.model is not None and body.model not in self.model_names:
             raise APIError(400, f"model {body.model!r} is not served here (this server serves "
                                 f"{self.model_names[0]!r})", "model")

@@ -15,14 +15,18 @@ differ), one place that covers both queues (the front's tokenizer threads and th
 and no change to the front<->core protocol; the abort frees the request's slot and blocks in the core.
 """
 
+import asyncio
 import json
+import logging
 import math
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from nanoengine.serve.errors import SHUTTING_DOWN, APIError, engine_gone, overloaded
 
+logger = logging.getLogger("nanoengine.serve")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 RETRY_AFTER_MAX_S = 60
 RECENT_STARTS = 32  # first tokens remembered to estimate how often a queued request leaves the queue
@@ -145,3 +149,36 @@ async def refuse(send, error: APIError) -> None:
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
     await send({"type": "http.response.body", "body": body})
+
+
+class Shutdown:
+    """SIGTERM drains: new requests get 503 and /ready says so, in-flight ones may finish within
+    ``timeout_s``; then (or on SIGINT, a second signal, or the engine cores' end) what is left ends at once."""
+
+    def __init__(self, server, http, timeout_s: float):
+        """``server``: the OpenAIServer; ``http``: the uvicorn.Server."""
+        self.server, self.http, self.timeout_s = server, http, timeout_s
+        self.drain: asyncio.Task | None = None
+
+    def on_signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM and self.timeout_s > 0 and self.drain is None:
+            self.drain = asyncio.ensure_future(self.drain_then_stop())
+        else:
+            self.now()
+
+    async def drain_then_stop(self) -> None:
+        admission = self.server.admission
+        admission.draining = True
+        logger.info("draining: %d requests in flight, given up to %g s (--shutdown-timeout)", len(admission.tickets),
+                    self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while admission.tickets and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if admission.tickets:
+            logger.warning("drained for %g s; ending the %d requests left", self.timeout_s, len(admission.tickets))
+        self.now()
+
+    def now(self) -> None:
+        self.server.admission.draining = True
+        self.server.stop()
+        self.http.should_exit = True
