@@ -10,6 +10,7 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.attention import torch_backend
 from nanoengine.config import EngineConfig
+from nanoengine.layers.quantization import quantize
 from nanoengine.platforms.cpu import build
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,7 +30,7 @@ def token_logprobs(llm: LLM, prompts=PROMPTS) -> torch.Tensor:
 def test_the_quantizer_rounds_half_to_even_and_keeps_zero_vectors_finite():
     # absmax 127: the scale is exactly 1, so each value is its own quotient.
     x = torch.tensor([[127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.49, -127.0], [0.0] * 8])
-    q, scales = torch_backend.quantize(x)
+    q, scales = quantize(x)
     assert q.tolist() == [[127, 2, -4, 0, 0, 2, 126, -127], [0] * 8]
     assert scales.tolist() == [1.0, 0.0]
 

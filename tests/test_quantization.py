@@ -12,10 +12,10 @@ from conftest import build_tiny_model
 from safetensors.torch import load_file, save_file
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.attention.torch_backend import quantize
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
+from nanoengine.layers.quantization import quantize
 from nanoengine.platforms.cpu import CpuPlatform
 from nanoengine.platforms.cpu import linear as linear_module
 from nanoengine.platforms.cpu.build import load_cpu_kernels
