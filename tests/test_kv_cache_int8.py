@@ -10,8 +10,8 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.attention import torch_backend
 from nanoengine.config import EngineConfig
-from nanoengine.layers.quantization import quantize
 from nanoengine.platforms.cpu import build
+from nanoengine.quantization import quantize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,7 +16,7 @@ is read back as q * s. The scales are empty tensors for a cache in the model's d
 import torch
 
 from nanoengine.attention.metadata import AttentionMetadata
-from nanoengine.layers.quantization import quantize
+from nanoengine.quantization import quantize
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

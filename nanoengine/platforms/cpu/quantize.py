@@ -18,7 +18,7 @@ from torch import nn
 from nanoengine.distributed import tp_size
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase, RowParallelLinear
-from nanoengine.layers.quantization import quantize
+from nanoengine.quantization import quantize
 
 logger = logging.getLogger(__name__)
 
