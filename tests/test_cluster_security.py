@@ -24,7 +24,7 @@ from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestMe
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanoengine.serve.cli import serve
 from nanoengine.serve.client import EngineCoreClient
-from nanoengine.serve.cluster.handshake import MAX_HANDSHAKES, fingerprint
+from nanoengine.serve.cluster.handshake import MAX_HANDSHAKES
 from nanoengine.serve.codec import (
     NONCE_BYTES,
     TO_CORE,
@@ -38,6 +38,7 @@ from nanoengine.serve.codec import (
     Hello,
     Proof,
     Ready,
+    fingerprint,
     mac,
     max_frame_bytes,
     new_nonce,

@@ -1,11 +1,11 @@
 """The front process's handle on its engine cores: starts the local ones, routes each request to one core
-and each core's outputs to that request's asyncio queue.
+and each core's outputs to that request's asyncio queue (one reader task, so a slow client delays only
+its own queue).
 
-Every core talks to one ROUTER socket: ipc for the cores the front starts, TCP for ``--headless`` ones (the
-cluster machinery in cluster/: who may join, which core gets a request, when a dead one restarts). One
-reader task receives every message, so a slow HTTP client only ever delays its own queue. A core that dies
-(its process ends, or its connection drops: a remote core gone, a local one silent past the heartbeat) fails
-its requests at once with ``EngineUnavailableError``; docs/operations.md says what happens next.
+Every core talks to one ROUTER socket: ipc for the cores the front starts, TCP for ``--headless`` ones
+(cluster/: who may join, which core gets a request, when a dead one restarts). A core that dies (its
+process ends, or its connection drops: a remote core gone, a local one silent past the heartbeat) fails
+its requests at once with ``EngineUnavailableError``.
 """
 
 import asyncio
@@ -26,8 +26,8 @@ from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import field_error
 from nanoengine.serve.cluster.handshake import Doorkeeper
+from nanoengine.serve.cluster.restart_policy import RestartPolicy
 from nanoengine.serve.cluster.router import CoreLoad, Router, prompt_hashes
-from nanoengine.serve.cluster.supervisor import RestartPolicy
 from nanoengine.serve.codec import (
     HEARTBEAT_TIMEOUT_S,
     TO_FRONT,

@@ -1,13 +1,8 @@
-"""The front <-> engine-core protocol: its messages, their encoding, and the cluster key's proofs.
+"""The front <-> engine-core protocol: its messages, their encoding (msgspec's typed msgpack, one frame
+each, never pickle: a peer can only send a frame the other side drops), and the cluster key's proofs.
 
-Every message is one ZMQ frame of msgpack, written and read by msgspec against the messages' types, for the
-local cores (ipc) and the remote ones (TCP) alike. Decoding builds only the messages of the frame's direction
-and the dataclasses they hold (SamplingParams, RequestOutput, EngineStats, each checked as it is built); any
-other frame raises, so a peer can never make the other side run code, only send it a frame it drops.
-
-Before a core is admitted, it and the front prove to each other that they hold the cluster key: each sends a
-fresh random nonce, and each answers with an HMAC-SHA256 of both nonces under the key, labelled with its role
-so that one side's answer never serves as the other's:
+Before a core is admitted, each side proves it holds the key with an HMAC-SHA256 of both sides' fresh
+nonces, labelled with its role so that one side's answer never serves as the other's:
 
     core  -> front   Hello(rank, fingerprint, nonce)
     front -> core    Challenge(nonce)
@@ -23,6 +18,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
@@ -43,7 +39,7 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_B
 
 class Hello(msgspec.Struct, tag=True):
     rank: int
-    fingerprint: dict[str, Any]  # what must equal the front's for the core to join (engine_core.fingerprint)
+    fingerprint: dict[str, Any]  # what must equal the front's for the core to join (see fingerprint())
     nonce: Nonce
 
 
@@ -107,6 +103,12 @@ def cluster_socket(context: zmq.Context, kind: int, config: EngineConfig) -> zmq
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S * 1000)
     socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(config))
     return socket
+
+
+def fingerprint(config: EngineConfig) -> dict:
+    """What two cores behind one front must share, as a hello carries it (tuples become lists)."""
+    agreed = {"model name": Path(config.model).name, **config.agreed_options("data parallel")}
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(agreed))
 
 
 class Codec:

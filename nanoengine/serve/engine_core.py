@@ -19,18 +19,23 @@ import zmq
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.serve.cluster.handshake import fingerprint, join
 from nanoengine.serve.codec import (
     TO_CORE,
     Abort,
+    Challenge,
     Codec,
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreRequest,
     Hello,
+    JoinReply,
+    Proof,
     Ready,
     cluster_socket,
+    fingerprint,
+    mac,
     new_nonce,
+    proves,
 )
 from nanoengine.utils.gc_heap import freeze_startup_heap
 
@@ -87,6 +92,28 @@ def run(config: EngineConfig, socket: zmq.Socket, rank: int, cluster_key: bytes,
         engine.close()
     logger.info("engine core %d: the front is gone; stopping", rank)
     return 0
+
+
+def join(socket: zmq.Socket, codec: Codec, hello: Hello, cluster_key: bytes) -> str | None:
+    """The handshake (codec.py draws it): None once the front admitted this core, else why not."""
+    socket.send(codec.encode(hello))
+    challenge = receive(socket, codec, Challenge)
+    socket.send(codec.encode(Proof(mac(cluster_key, "core", challenge.nonce, hello.nonce))))
+    reply = receive(socket, codec, JoinReply)
+    if reply.refusal is None and not proves(cluster_key, reply.mac, "front", hello.nonce, challenge.nonce):
+        return "the front did not prove that it holds the cluster key (is this core's key the server's?)"
+    return reply.refusal
+
+
+def receive(socket: zmq.Socket, codec: Codec, expected: type):
+    """The next message from the front if it is an ``expected``; any other frame is dropped (and logged)."""
+    while True:
+        message = codec.receive(socket)
+        if isinstance(message, expected):
+            return message
+        if message is not None:
+            logger.warning("engine core: dropped a %s from the front (a %s was expected)", type(message).__name__,
+                           expected.__name__)
 
 
 def serve_forever(engine: LLMEngine, socket: zmq.Socket, codec: Codec, front_watch, front_gone) -> None:

@@ -1,12 +1,9 @@
-"""The OpenAI request bodies (pydantic) and their mapping onto SamplingParams.
+"""The OpenAI request bodies (pydantic, strict) and their mapping onto SamplingParams.
 
-Every field of OpenAI's and vLLM's requests is either honoured or, when a request sets it to anything
-but its "off" value, refused with a 400 that names it (NOT_IMPLEMENTED). Keys that are neither are
-accepted, and the server logs each such name once at WARNING, as vLLM does. A known field is
-checked strictly at this boundary: its JSON type (no "16" for 16, no true for 1), finite floats,
-ints that fit the int64 tensors they feed, text that encodes as UTF-8, and JSON values nested at
-most MAX_JSON_DEPTH deep. What the values mean is checked by SamplingParams and
-LLMEngine.make_request, the checks the offline LLM runs. Every error names its field.
+Every field of OpenAI's and vLLM's requests is honoured, or refused with a 400 naming it when set to
+anything but its "off" value (the not_implemented tables); other keys are logged once and ignored, as in
+vLLM. A field's JSON type, finite floats, int64 range, UTF-8 text and JSON depth are checked here; what the
+values mean, by SamplingParams and make_request, as offline.
 """
 
 import json

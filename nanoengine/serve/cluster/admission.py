@@ -1,18 +1,9 @@
-"""Admission control in the front: how many requests and prompt tokens may wait, how long, and whether the
-server is ready for more.
+"""Admission control in the front: how many requests and prompt tokens may wait for their first token,
+for how long, and whether the server is ready for more (docs/operations.md has the flags and the why).
 
-A request waits from the moment the front takes it (while it is tokenized, in an engine core's waiting
-queue, through its prefill) until its first token: that is the wait a client sees. The front counts every
-waiting request and, once tokenized, its prompt tokens. ``AdmissionGate`` refuses a generation request
-before its body is read while the queue is full (429, with ``Retry-After``) or the server drains (503),
-so a flood costs the front almost nothing; ``AdmissionControl.add_tokens`` refuses one whose prompt would take
-the waiting tokens past their cap (429), before it reaches an engine core. A request that gets no first
-token within ``max_queue_seconds`` is aborted in its core and answered 503 (``OpenAIServer.respond``
-waits for the first token before it starts a stream, so nothing is ever half-streamed).
-
-The deadline is enforced here rather than in the engine core's scheduler: one clock (a remote core's may
-differ), one place that covers both queues (the front's tokenizer threads and the core's waiting queue),
-and no change to the front<->core protocol; the abort frees the request's slot and blocks in the core.
+``AdmissionGate`` refuses a generation request before its body is read while the queue is full (429) or
+the server drains (503); ``AdmissionControl.add_tokens`` refuses one whose prompt would overfill the token
+cap (429); ``Shutdown`` drains on SIGTERM.
 """
 
 import asyncio

@@ -1,4 +1,4 @@
-"""The cluster key's handshake (codec.py draws it): the front's ``Doorkeeper`` and the core's ``join``.
+"""The front's side of the cluster key's handshake (codec.py draws it; engine_core.join is the core's).
 
 A peer proves the key before it may do anything else; a core that proved it is admitted under the rank it
 claims only if that rank is free and its model and options are the front's (``fingerprint``). The doorkeeper
@@ -7,23 +7,13 @@ also counts and logs the frames the front drops: undecodable, out of turn, or fr
 
 import logging
 import time
-from pathlib import Path
-
-import msgspec
-import zmq
 
 from nanoengine.config import EngineConfig
-from nanoengine.serve.codec import Challenge, Codec, Hello, JoinReply, Proof, mac, new_nonce, proves
+from nanoengine.serve.codec import Challenge, Codec, Hello, JoinReply, Proof, fingerprint, mac, new_nonce, proves
 
 MAX_HANDSHAKES = 16  # peers between their hello and their proof; a newer one pushes out the oldest
 DROP_LOG_INTERVAL_S = 10.0
 logger = logging.getLogger("nanoengine.serve")
-
-
-def fingerprint(config: EngineConfig) -> dict:
-    """What two cores behind one front must share, as a hello carries it (tuples become lists)."""
-    agreed = {"model name": Path(config.model).name, **config.agreed_options("data parallel")}
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(agreed))
 
 
 class Doorkeeper:
@@ -76,25 +66,3 @@ class Doorkeeper:
             self.next_drop_log = now + DROP_LOG_INTERVAL_S
             logger.warning("dropped a frame from peer %s on the engine-core socket: %s (%d dropped so far)",
                            peer, why, self.dropped_frames)
-
-
-def join(socket: zmq.Socket, codec: Codec, hello: Hello, cluster_key: bytes) -> str | None:
-    """The core's side: None once the front admitted this core, else why not."""
-    socket.send(codec.encode(hello))
-    challenge = receive(socket, codec, Challenge)
-    socket.send(codec.encode(Proof(mac(cluster_key, "core", challenge.nonce, hello.nonce))))
-    reply = receive(socket, codec, JoinReply)
-    if reply.refusal is None and not proves(cluster_key, reply.mac, "front", hello.nonce, challenge.nonce):
-        return "the front did not prove that it holds the cluster key (is this core's key the server's?)"
-    return reply.refusal
-
-
-def receive(socket: zmq.Socket, codec: Codec, expected: type):
-    """The next message from the front if it is an ``expected``; any other frame is dropped (and logged)."""
-    while True:
-        message = codec.receive(socket)
-        if isinstance(message, expected):
-            return message
-        if message is not None:
-            logger.warning("engine core: dropped a %s from the front (a %s was expected)", type(message).__name__,
-                           expected.__name__)
