@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import text_tokens
 from nanoengine import LLM, SamplingParams
 
 ROOT = Path(__file__).parent.parent / ".llamacpp"
@@ -139,7 +140,6 @@ def llamacpp_perplexities(model: str, n_ctx: int, text: Path) -> tuple[list[dict
     """llama.cpp's perplexity with each file, and whether it tokenizes the text as our tokenizer does."""
     from transformers import AutoTokenizer
 
-    from benchmarks.quality import text_tokens
 
     if not TOOLS.is_dir():
         return [], "llama.cpp left out: run `make llamacpp` to build it"
