@@ -17,7 +17,6 @@ from pydantic import Field, ValidationError
 from nanoengine.sampling_params import INT64_MAX
 from nanoengine.serve.errors import APIError
 from nanoengine.serve.protocol import (
-    RESPONSES_NOT_IMPLEMENTED,
     Body,
     ChatCompletionRequest,
     Finite,
@@ -29,6 +28,7 @@ from nanoengine.serve.protocol import (
     Text,
     TopLevelBody,
 )
+from nanoengine.serve.unsupported import RESPONSES_NOT_IMPLEMENTED
 
 
 class InputText(Body):
