@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup example test test-fast lint bench bench-vllm bench-llamacpp llamacpp
+.PHONY: setup example test test-fast test-kernel-levels lint bench bench-vllm bench-llamacpp llamacpp
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ test: lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The CPU kernels' tests again at each instruction-set level this CPU runs besides its own (NANOENGINE_CPU_ARCH):
+# x86-64-v3 (AVX2), and x86-64-v4 (AVX-512 without its later extensions) where the CPU has AVX-512. `make test`
+# compile-checks the levels it cannot run and the scalar section (tests/test_cpu_build.py).
+KERNEL_TESTS := tests/test_cpu_build.py tests/test_cpu_attention.py tests/test_layers.py tests/test_kv_cache_int8.py \
+	tests/test_quantization.py
+KERNEL_LEVELS := x86-64-v3 $(if $(shell grep -w -m1 -o avx512f /proc/cpuinfo),x86-64-v4)
+
+test-kernel-levels: setup
+	for arch in $(KERNEL_LEVELS); do NANOENGINE_CPU_ARCH=$$arch $(BIN)/python -m pytest -q $(KERNEL_TESTS) || exit 1; done
+
 bench: setup
 	$(BIN)/python bench.py --preset cpu --compare hf
 
@@ -53,10 +63,15 @@ bench-vllm: setup $(VLLM_VENV)/.installed
 # llama-cpp-python sdist vendors (only pip leaves the machine), only the tools the benches run, in Release on
 # all cores at the lowest priority (the machine is shared; llama-tokenize checks that both sides read the text as
 # the same tokens); then the default model converted with its own converter to bf16 and Q8_0 GGUF files.
+# LLAMACPP_ARCH=x86-64-v3 builds it for AVX2 only (beside the native build), the peer of our x86-64-v3 kernels.
 LLAMACPP := .llamacpp
 LLAMACPP_PYTHON_VERSION ?= 0.3.36
 LLAMACPP_SRC := $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_PYTHON_VERSION)/vendor/llama.cpp
 LLAMACPP_TOOLS := llama-batched-bench llama-perplexity llama-quantize llama-tokenize
+LLAMACPP_ARCH ?= native
+LLAMACPP_BUILD := $(LLAMACPP)/build-$(LLAMACPP_ARCH)
+LLAMACPP_ISA := $(if $(filter native,$(LLAMACPP_ARCH)),-DGGML_NATIVE=ON,\
+	-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
 
 $(LLAMACPP_SRC)/CMakeLists.txt:
 	mkdir -p $(LLAMACPP)
@@ -64,18 +79,18 @@ $(LLAMACPP_SRC)/CMakeLists.txt:
 	tar -xzf $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_PYTHON_VERSION).tar.gz -C $(LLAMACPP)
 	touch $@
 
-$(LLAMACPP)/build/bin/.built: $(LLAMACPP_SRC)/CMakeLists.txt
-	nice -n 19 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+$(LLAMACPP_BUILD)/bin/.built: $(LLAMACPP_SRC)/CMakeLists.txt
+	nice -n 19 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_ISA) \
 		-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-	nice -n 19 cmake --build $(LLAMACPP)/build --config Release -j $$(nproc) --target $(LLAMACPP_TOOLS)
+	nice -n 19 cmake --build $(LLAMACPP_BUILD) --config Release -j $$(nproc) --target $(LLAMACPP_TOOLS)
 	touch $@
 
-$(LLAMACPP)/models/.converted: $(LLAMACPP)/build/bin/.built
+$(LLAMACPP)/models/.converted: $(LLAMACPP_SRC)/CMakeLists.txt
 	$(BIN)/pip install --quiet -e ".[llamacpp]"
 	$(BIN)/python -m benchmarks.llamacpp convert --source $(LLAMACPP_SRC)
 	touch $@
 
-llamacpp: setup $(LLAMACPP)/models/.converted
+llamacpp: setup $(LLAMACPP_BUILD)/bin/.built $(LLAMACPP)/models/.converted
 
 bench-llamacpp: llamacpp
-	$(BIN)/python bench.py --compare llamacpp
+	$(BIN)/python bench.py --compare llamacpp --cpu-arch $(LLAMACPP_ARCH)

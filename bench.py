@@ -8,7 +8,7 @@
     python bench.py --preset spec [--compare vllm]
     python bench.py --preset serve [--compare vllm] [--num-prompts N] [--request-rate R] [--max-concurrency C]
     python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
-    python bench.py --compare llamacpp
+    python bench.py --compare llamacpp [--cpu-arch x86-64-v3]
     python bench.py --preset quality [--n-ctx N]
     python bench.py --preset quantization [--model DIR | --model random:llama-3.2-1b] [--rounds N]
     python bench.py --preset profile [--num-prompts N] [--prompt-len L] [--dtype D]
@@ -45,6 +45,8 @@ this file runs the throughput and structured presets and is the entry point for 
 
 import argparse
 import json
+import os
+import sys
 import time
 from dataclasses import replace
 
@@ -244,6 +246,9 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=1,
                         help="gpu/cpu: run ours and the peers this many times, alternated; the fastest of each counts")
     parser.add_argument("--n-ctx", type=int, help="quality: the window's length in tokens (default 1024)")
+    parser.add_argument("--cpu-arch", help="our CPU kernels built for this -march (NANOENGINE_CPU_ARCH), and at "
+                        "x86-64-v3 torch's own ops held to AVX2 too, so that the figures are an AVX2 CPU's; "
+                        "--compare llamacpp runs llama.cpp's build for the same level")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -251,8 +256,21 @@ def parse_args(argv=None):
     return args
 
 
+# What torch reads when it loads, to hold its own kernels (ATen's and oneDNN's) to AVX2.
+AVX2_TORCH = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def run_at_cpu_arch(arch: str) -> None:
+    """This process again with NANOENGINE_CPU_ARCH=arch (and torch held to AVX2 at x86-64-v3), unless it is so."""
+    wanted = {"NANOENGINE_CPU_ARCH": arch} | (AVX2_TORCH if arch == "x86-64-v3" else {})
+    if any(os.environ.get(name) != value for name, value in wanted.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | wanted)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.cpu_arch:
+        run_at_cpu_arch(args.cpu_arch)
     report = PRESETS[args.preset](args)
     if args.json:
         print(json.dumps(report))

@@ -13,7 +13,8 @@ import torch
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.model_runner import StepInputs
-from nanoengine.utils.cpu_info import cpu_flags, cpu_model
+from nanoengine.platforms.cpu.build import cpu_arch, isa_of
+from nanoengine.utils.cpu_info import cpu_model
 from nanoengine.utils.default_model import cache_dir, default_model_path
 
 QWEN3_0_6B_SHAPE = dict(
@@ -164,14 +165,15 @@ def preset_workload(preset: str, dtype: str | None) -> Workload:
     """The preset's workload in ``dtype``; by default the cpu preset runs in bfloat16 where the CPU has AVX-512
     (our kernels multiply bfloat16 there, natively or widened to float32 in registers) or AMX, else in
     float32."""
-    if dtype is None and preset == "cpu" and not cpu_flags() & {"avx512f", "amx_bf16"}:
+    if dtype is None and preset == "cpu" and not set(isa_of(cpu_arch())) & {"avx512f", "amx_bf16"}:
         dtype = "float32"
     return replace(WORKLOADS[preset], dtype=dtype) if dtype else WORKLOADS[preset]
 
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return (f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, our kernels for "
+            f"-march={cpu_arch()}")
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from nanoengine.attention.torch_backend import quantize
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
+from nanoengine.quantization import quantize
 from nanoengine.utils.cpu_info import cpu_model
 
 SHAPES = {  # name: (out_features, in_features)
@@ -49,8 +49,8 @@ def main():
         copies = max(2, BYTES_READ // (2 * out_features * in_features))
         bf16 = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(copies)]
         int8 = [quantize(weight) for weight in bf16]
-        bf16_choices = [only_kernel(weight, "avx512", cpu_ops) for weight in bf16]
-        int8_choices = [only_kernel(q, "avx512", cpu_ops, scale) for q, scale in int8]
+        bf16_choices = [only_kernel(weight, "tiled", cpu_ops) for weight in bf16]
+        int8_choices = [only_kernel(q, "tiled", cpu_ops, scale) for q, scale in int8]
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from benchmarks.common import text_tokens
 from nanoengine import LLM, SamplingParams
+from nanoengine.platforms.cpu.build import cpu_arch
 
 ROOT = Path(__file__).parent.parent / ".llamacpp"
-TOOLS = ROOT / "build" / "bin"
 MODELS = ROOT / "models"
 FILE_TYPES = {"bf16": "bf16", "q8_0": "Q8_0"}  # converter's --outtype: the name the tables give it
 PROMPT_TOKENS, GENERATED_TOKENS = 256, 128
@@ -32,10 +32,16 @@ def threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def tools() -> Path:
+    """llama.cpp's build for the instruction-set level our kernels are built for (NANOENGINE_CPU_ARCH)."""
+    return ROOT / f"build-{cpu_arch()}" / "bin"
+
+
 def tool(name: str) -> Path:
-    path = TOOLS / name
+    path = tools() / name
     if not path.is_file():
-        raise FileNotFoundError(f"llama.cpp's {name} is not built in {TOOLS}: run `make llamacpp`")
+        raise FileNotFoundError(f"llama.cpp's {name} is not built in {tools()}: run "
+                                f"`make llamacpp LLAMACPP_ARCH={cpu_arch()}`")
     return path
 
 
@@ -141,7 +147,7 @@ def llamacpp_perplexities(model: str, n_ctx: int, text: Path) -> tuple[list[dict
     from transformers import AutoTokenizer
 
 
-    if not TOOLS.is_dir():
+    if not tools().is_dir():
         return [], "llama.cpp left out: run `make llamacpp` to build it"
     ours, _ = text_tokens(AutoTokenizer.from_pretrained(model), text.read_text())
     runs = []

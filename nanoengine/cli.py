@@ -2,7 +2,7 @@
 
     nanoengine serve [MODEL] [--port N] [options]     the OpenAI-compatible server (nanoengine/serve/)
     nanoengine prefix-report REQUESTS.jsonl [options]  where a prompt template breaks prefix-cache reuse
-    nanoengine cpu-info                                what the CPU offers the kernels
+    nanoengine cpu-info [--json]                       the CPU, and what the kernels were built for
 
 Each command is imported only when it runs, so ``prefix-report`` never loads the server.
 """
@@ -11,7 +11,7 @@ import sys
 
 USAGE = """usage: nanoengine serve [MODEL] [--port N] [options]  (see nanoengine serve --help)
        nanoengine prefix-report REQUESTS.jsonl [--model DIR] [options]
-       nanoengine cpu-info"""
+       nanoengine cpu-info [--json]"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         from nanoengine.tools.prefix_report import main as prefix_report
         return prefix_report(rest)
     if command == "cpu-info":
-        from nanoengine.tools.cpu_info import main as cpu_info
+        from nanoengine.tools.cpu_info import main as cpu_info  # it builds the kernels: only when asked
         return cpu_info(rest)
     print(USAGE, file=sys.stderr)
     return 2

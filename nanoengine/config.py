@@ -8,9 +8,11 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanoengine.distributed import ENV_VARIABLES, divide, env_rank
 from nanoengine.sampling_params import check_number, check_text
+from nanoengine.utils.gguf_file import gguf_config, is_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("int8",)  # the linear layers' and LM head's weights in int8 on the CPU (docs/quantization.md)
+# The linear layers' and LM head's weights in int8, or 4-bit in groups, on the CPU (docs/quantization.md)
+QUANTIZATIONS = ("int8", "int4")
 POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("xxhash", "sha256")  # the prefix cache's block hash (engine/block_manager.py)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -28,10 +30,10 @@ GENERATION_DEFAULTS = ("repetition_penalty", "presence_penalty", "frequency_pena
 
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype
-    quantization: str | None = None  # "int8": the linear layers' and LM head's weights quantized at load (CPU)
+    model: str  # a Hugging Face folder, or a GGUF file (its quantized weights run on the CPU)
+    tokenizer: str | None = None  # defaults to the model folder (or file)
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype; a GGUF file's: float32 or float16 if it says so, else bf16
+    quantization: str | None = None  # "int8", "int4": the linear layers' and LM head's weights quantized at load (CPU)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int | None = None  # None = 256, or max_num_batched_tokens when that is lower (as vLLM)
@@ -71,12 +73,16 @@ class EngineConfig:
 
     def __post_init__(self):
         if not isinstance(self.model, str | os.PathLike):
-            raise TypeError(f"model must be a path to a Hugging Face model folder, got {type(self.model).__name__}")
+            raise TypeError(f"model must be a path to a Hugging Face model folder or a GGUF file, got "
+                            f"{type(self.model).__name__}")
         self.model = os.fspath(self.model)
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise FileNotFoundError(f"model: no config.json in {self.model!r}")
+        if is_gguf(self.model):
+            self.hf_config = gguf_config(self.model)
+        elif os.path.isfile(os.path.join(self.model, "config.json")):
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        else:
+            raise FileNotFoundError(f"model: no config.json in {self.model!r} (nor is it a .gguf file)")
         self.tokenizer = self.tokenizer or self.model
-        self.hf_config = AutoConfig.from_pretrained(self.model)
         self.device = self.resolved_device()
         self.torch_dtype = self.resolved_dtype()
         self.max_model_len = self.resolved_max_model_len()
@@ -112,6 +118,11 @@ class EngineConfig:
         self.check_tensor_parallel()
         self.speculative = None if self.speculative_config is None else SpeculativeConfig.of(self.speculative_config)
         check_quantization(self.quantization, self.device, self.attention_backend)
+        if (is_gguf(self.model) or self.quantization == "int4") and (self.device != "cpu" or
+                                                                    self.tensor_parallel_size > 1):
+            raise ValueError(f"{'a GGUF file' if is_gguf(self.model) else 'quantization=int4'} runs on the CPU on one "
+                             f"rank (its 4-bit and int8 weights are the CPU's), got device={self.device!r}, "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
 
     def default_sampling_params(self) -> dict:
         """The sampling fields that generation_config.json sets, with max_new_tokens named max_tokens."""
@@ -119,7 +130,8 @@ class EngineConfig:
             return {}
         folder = self.model if self.generation_config == "auto" else self.generation_config
         try:
-            generation = GenerationConfig.from_pretrained(folder)
+            generation = self.model_generation_config() if folder == self.model else GenerationConfig.from_pretrained(
+                folder)
         except OSError:  # no generation_config.json: vLLM reads the model's config.json instead
             generation = GenerationConfig.from_model_config(self.hf_config if folder == self.model else {})
         given = generation.to_diff_dict()
@@ -127,6 +139,12 @@ class EngineConfig:
         if "max_new_tokens" in defaults:
             defaults["max_tokens"] = defaults.pop("max_new_tokens")
         return defaults
+
+    def model_generation_config(self) -> GenerationConfig:
+        """The model's generation_config.json (OSError where it has none), or what a GGUF file's metadata implies."""
+        if is_gguf(self.model):
+            return GenerationConfig.from_model_config(self.hf_config)
+        return GenerationConfig.from_pretrained(self.model)
 
     def check_tensor_parallel(self) -> None:
         """Fail here, before any worker process starts, when the model cannot be split evenly."""

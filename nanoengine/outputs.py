@@ -69,6 +69,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    weight_bytes: int = 0  # the loaded model's weights (this rank's shard), quantized weights' scales included
     # Per step, oldest first: (num_running, num_waiting, kv_cache_usage) after each step.
     step_history: list[tuple[int, int, float]] = field(default_factory=list, repr=False)
 

@@ -135,7 +135,7 @@ def fake_tool(folder, name: str, output: str) -> None:
 
 
 def test_llamacpp_results_are_found_among_its_log_lines(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(llamacpp, "TOOLS", tmp_path)
+    monkeypatch.setattr(llamacpp, "tools", lambda: tmp_path)
     rows = [{"pl": n, "t": 0.5 * n, "speed": 1.0} for n in (1, 4)]
     fake_tool(tmp_path, "llama-batched-bench", "\n".join(map(json.dumps, rows)))
     fake_tool(tmp_path, "llama-perplexity", "perplexity: calculating perplexity over 5 chunks, n_ctx=1024\n"
@@ -149,9 +149,10 @@ def test_llamacpp_results_are_found_among_its_log_lines(monkeypatch, tmp_path, c
     assert ["1", "0.25", "0.50", "2.00x"] in table and ["4", "1.00", "-", "-"] in table
 
 
-def test_llamacpp_peer_without_its_build_says_how_to_make_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(llamacpp, "TOOLS", tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="make llamacpp"):
+def test_llamacpp_peer_without_its_build_says_how_to_make_it_for_our_kernels_level(monkeypatch, tmp_path):
+    monkeypatch.setattr(llamacpp, "ROOT", tmp_path / "missing")
+    monkeypatch.setenv("NANOENGINE_CPU_ARCH", "x86-64-v3")
+    with pytest.raises(FileNotFoundError, match="build-x86-64-v3.*make llamacpp LLAMACPP_ARCH=x86-64-v3"):
         llamacpp.batched_bench(tmp_path / "model.gguf")
 
 

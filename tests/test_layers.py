@@ -264,11 +264,8 @@ def test_the_argmax_kernel_is_torchs_with_ties_infinities_and_nan(cpu_ops, colum
 LINEAR_DTYPES = [torch.float32, torch.bfloat16]
 
 
-def linear_ops_for(cpu_ops, dtype: torch.dtype):
-    if str(dtype).removeprefix("torch.") not in cpu_ops.linear_dtypes():
-        pytest.skip(f"this CPU cannot run the kernel in {dtype} (AVX-512, and AVX512-BF16 for bfloat16), so it is "
-                    "never offered (tested below)")
-    return cpu_ops
+def test_the_linear_kernel_multiplies_every_weight_type_at_every_level(cpu_ops):
+    assert {"float32", "bfloat16", "int8"} <= set(cpu_ops.linear_dtypes())
 
 
 def assert_rounded_exact_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
@@ -289,13 +286,12 @@ def assert_rounded_exact_product(out: torch.Tensor, x: torch.Tensor, weight: tor
 def test_the_linear_kernel_gives_the_exact_product_rounded_once(cpu_ops, dtype, rows, out_features, in_features):
     """Every row count the tiles split differently (1-2, 3-4 and 8-row chunks, and each remainder), outputs
     that leave partial tiles of blocks (7, 25 blocks), and NaN in out before the call."""
-    linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, dtype=dtype)
     x = torch.randn(rows, in_features, dtype=dtype)
     for bias in (None, torch.randn(out_features, dtype=dtype)):
         out = torch.full((rows, out_features), float("nan"), dtype=dtype)
-        linear_ops.linear(x, linear_module.pack_steps(weight), None, bias, out)
+        cpu_ops.linear(x, linear_module.pack_steps(weight), None, bias, out)
         assert_rounded_exact_product(out, x, weight, bias)
 
 
@@ -303,25 +299,23 @@ def test_the_linear_kernel_gives_the_exact_product_rounded_once(cpu_ops, dtype, 
 def test_the_linear_kernel_cuts_an_x_larger_than_l2_into_panels_that_change_no_bit(cpu_ops, dtype):
     """1601 rows of 576 inputs (1.8 MB in bfloat16, above the kernel's 1 MiB) go through in panels, the last
     one short; each row's outputs are those of the same rows multiplied 33 at a time, where there are none."""
-    linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(1)
     weight, bias = torch.randn(112, 576, dtype=dtype), torch.randn(112, dtype=dtype)
     x, packed = torch.randn(1601, 576, dtype=dtype), linear_module.pack_steps(weight)
     out = torch.full((1601, 112), float("nan"), dtype=dtype)
-    linear_ops.linear(x, packed, None, bias, out)
+    cpu_ops.linear(x, packed, None, bias, out)
     for first in range(0, 1601, 33):
         rows = torch.full((min(33, 1601 - first), 112), float("nan"), dtype=dtype)
-        linear_ops.linear(x[first:first + 33], packed, None, bias, rows)
+        cpu_ops.linear(x[first:first + 33], packed, None, bias, rows)
         assert torch.equal(out[first:first + 33], rows)
     assert_rounded_exact_product(out[::50], x[::50], weight, bias)
 
 
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES, ids=["fp32", "bf16"])
 def test_the_linear_kernel_through_linear_takes_views_and_batches(cpu_ops, dtype):
-    linear_ops = linear_ops_for(cpu_ops, dtype)
     torch.manual_seed(0)
     weight, bias = torch.randn(64, 40, dtype=dtype), torch.randn(64, dtype=dtype)
-    choice = linear_module.only_kernel(weight, "avx512", linear_ops)
+    choice = linear_module.only_kernel(weight, "tiled", cpu_ops)
     wide = torch.randn(2, 3, 96, dtype=dtype)
     out = linear(wide[..., :40], weight, bias, choice)
     assert out.shape == (2, 3, 64) and out.dtype == dtype
@@ -329,21 +323,18 @@ def test_the_linear_kernel_through_linear_takes_views_and_batches(cpu_ops, dtype
 
 
 def test_the_linear_kernel_is_offered_only_for_weights_it_can_pack(cpu_ops):
-    bf16 = "bfloat16" in cpu_ops.linear_dtypes()
-    fp32 = "float32" in cpu_ops.linear_dtypes()
     offered = [linear_module.kernels_for(torch.empty(shape, dtype=dtype), cpu_ops)
                for shape, dtype in (((64, 40), torch.bfloat16), ((40, 64), torch.bfloat16), ((64, 41), torch.bfloat16),
                                     ((64, 41), torch.float32), ((40, 64), torch.float32), ((64, 40), torch.float16))]
-    assert ["avx512" in kernels for kernels in offered] == [bf16, False, False, fp32, False, False]
-    assert "avx512" not in linear_module.kernels_for(torch.empty(64, 40))  # without the extension
+    assert ["tiled" in kernels for kernels in offered] == [True, False, False, True, False, False]
+    assert "tiled" not in linear_module.kernels_for(torch.empty(64, 40))  # without the extension
 
 
 def test_the_linear_kernel_refuses_what_it_cannot_read(cpu_ops):
-    linear_ops = linear_ops_for(cpu_ops, torch.float32)
     weight = torch.randn(32, 8)
     packed, out = linear_module.pack_steps(weight), torch.empty(3, 32)
     for x, into in ((torch.randn(3, 8, dtype=torch.bfloat16), out), (torch.randn(3, 6), out),
                     (torch.randn(3, 16)[:, ::2], out), (torch.randn(3, 8), torch.empty(3, 16)),
                     (torch.randn(3, 8, dtype=torch.float16), out.half())):
         with pytest.raises(RuntimeError, match="linear"):
-            linear_ops.linear(x, packed, None, None, into)
+            cpu_ops.linear(x, packed, None, None, into)

@@ -19,7 +19,7 @@ from nanoengine.platforms.cpu import CpuPlatform
 from nanoengine.platforms.cpu import linear as linear_module
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
-from nanoengine.platforms.cpu.quantize import dequantize, quantize_linear_layers
+from nanoengine.platforms.cpu.quantize import dequantize, dequantize_int4, quantize_int4, quantize_linear_layers
 from nanoengine.quantization import quantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
@@ -68,6 +68,33 @@ def test_a_shard_quantized_with_the_full_rows_absmax_is_the_full_weights_slice()
         assert torch.equal(shard_scale, scale) and torch.equal(shard_q, expected_q)
 
 
+def test_the_int4_quantizer_on_groups_worked_by_hand():
+    """Per group of 32: scale = (max - min) / 15 and min in float16, q = round((w - min) / scale) in 0..15; a flat
+    group gets scale 0 and q 0; q packs two to a byte, the group's first 16 in the low nibbles."""
+    ramp = torch.arange(32, dtype=torch.float32) * 1.5  # min 0, max 46.5: scale 3.1 (3.099609375 in float16)
+    flat = torch.full((32,), -2.0)
+    packed, scale, minimum = quantize_int4(torch.stack([torch.cat([ramp, flat])]))
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    assert scale.tolist() == [[3.099609375, 0.0]] and minimum.tolist() == [[0.0, -2.0]]
+    expected_q = torch.round(ramp / 3.099609375).clamp(0, 15).to(torch.uint8)
+    assert packed[0, :16].tolist() == (expected_q[:16] | (expected_q[16:] << 4)).tolist()
+    assert packed[0, 16:].tolist() == [0] * 16
+    assert dequantize_int4(packed, scale, minimum).tolist() == [
+        (expected_q.float() * 3.099609375).tolist() + [-2.0] * 32]
+
+
+def test_the_int4_quantizer_rounds_each_value_to_the_nearest_step_of_its_group():
+    torch.manual_seed(3)
+    weight = torch.randn(16, 128) * torch.logspace(-3, 2, 16).unsqueeze(1)
+    packed, scale, minimum = quantize_int4(weight)
+    error = (dequantize_int4(packed, scale, minimum).double() - weight.double()).abs()
+    step, low = (t.double().repeat_interleave(32, dim=1) for t in (scale, minimum))
+    float16_rounding = (16 * step + low.abs()) * 2.0**-11  # of the minimum, and of the scale over 15 steps
+    assert (error <= step / 2 + float16_rounding).all()
+    with pytest.raises(ValueError, match="int4 weights: 48 inputs are not whole groups of 32"):
+        quantize_int4(torch.randn(4, 48))
+
+
 # The kernel against the dequantized weight's exact product ----------------------------------------------------------
 
 ACTIVATIONS = [torch.float32, torch.bfloat16, torch.float16]
@@ -79,12 +106,6 @@ def cpu_ops():
     kernels = load_cpu_kernels()
     assert kernels is not None, "the C++ kernels did not build: see the warning logged above"
     return kernels
-
-
-def int8_ops(cpu_ops):
-    if "int8" not in cpu_ops.linear_dtypes():
-        pytest.skip("this CPU cannot run the int8 kernel (AVX-512), so quantization='int8' is refused (tested below)")
-    return cpu_ops
 
 
 def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias):
@@ -105,7 +126,7 @@ def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, q: torch.Tens
 def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features):
     """Rows 1..33 (every split of the 1-2, 3-4 and 8-row tiles and each remainder) and 300, partial tiles of
     blocks (3 and 7 blocks), an odd K, with and without bias, NaN in out before each call."""
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     torch.manual_seed(out_features)
     q, scale = quantize(torch.randn(out_features, in_features))
     packed = linear_module.pack_steps(q)
@@ -117,10 +138,10 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
             assert_dequantized_product(out, x, q, scale, bias)
 
 
-@pytest.mark.parametrize("kernel", ["avx512", "float32", "torch"])
+@pytest.mark.parametrize("kernel", ["tiled", "float32", "torch"])
 def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kernel):
     """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     torch.manual_seed(2)
     q, scale = quantize(torch.randn(64, 40))
     bias = torch.randn(64, dtype=torch.bfloat16)
@@ -134,7 +155,7 @@ def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kerne
 
 
 def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
-    ops = int8_ops(cpu_ops)
+    ops = cpu_ops
     q, scale = quantize(torch.randn(32, 8))
     packed, x, out = linear_module.pack_steps(q), torch.randn(3, 8), torch.empty(3, 32)
     for args, message in (((x, packed, None, None, out), "needs its scale"),
@@ -151,8 +172,8 @@ def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
 
 def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops):
     """Other shapes are dequantized into the float32 scratch (or, as the oracle, a new buffer)."""
-    ops = int8_ops(cpu_ops)
-    assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "avx512")
+    ops = cpu_ops
+    assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "tiled")
     assert linear_module.kernels_for(torch.zeros(40, 64, dtype=torch.int8), ops) == ("torch", "float32")
 
 
@@ -160,21 +181,25 @@ def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops)
 
 @pytest.fixture(scope="module")
 def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
-    """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and a copy whose linear weights are
-    their int8 quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
-    multiplies by, in float32."""
+    """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and copies whose linear weights are
+    their int8 (or 4-bit) quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
+    (or 'int4') multiplies by, in float32."""
     original = tmp_path_factory.mktemp("int8-qwen2")
     build_tiny_model("qwen2", original, smollm2_dir, initializer_range=0.5)
-    dequantized = shutil.copytree(original, original.with_name("int8-qwen2-dequantized"))
-    weights = load_file(dequantized / "model.safetensors")
-    for name, weight in weights.items():
-        if name.endswith(".weight") and name.split(".")[-2] in HF_LINEARS:
-            weights[name] = dequantize(*quantize(weight))
-    weights["lm_head.weight"] = dequantize(*quantize(weights["model.embed_tokens.weight"]))
-    save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dequantized / "config.json").read_text())
-    (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
-    return {"original": str(original), "dequantized": str(dequantized)}
+    dirs = {"original": str(original)}
+    for name, round_trip in (("dequantized", lambda w: dequantize(*quantize(w))),
+                             ("int4-dequantized", lambda w: dequantize_int4(*quantize_int4(w)))):
+        dequantized = shutil.copytree(original, original.with_name(f"int8-qwen2-{name}"))
+        weights = load_file(dequantized / "model.safetensors")
+        for key, weight in weights.items():
+            if key.endswith(".weight") and key.split(".")[-2] in HF_LINEARS:
+                weights[key] = round_trip(weight)
+        weights["lm_head.weight"] = round_trip(weights["model.embed_tokens.weight"])
+        save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((dequantized / "config.json").read_text())
+        (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+        dirs[name] = str(dequantized)
+    return dirs
 
 
 def run(folder: str, prompts=PROMPTS, **options) -> tuple[list[list[int]], list[list[float]]]:
@@ -194,10 +219,23 @@ def test_int8_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2
         assert row == pytest.approx(expected, abs=2e-4)
 
 
+def test_int4_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="nanoengine.platforms.cpu.quantize"):
+        tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization="int4")
+    assert "int4 weights: the linear layers' and LM head's 9 weights take" in caplog.text
+    expected_tokens, expected_logprobs = run(qwen2_dirs["int4-dequantized"], dtype="float32")
+    assert tokens == expected_tokens
+    for row, expected in zip(logprobs, expected_logprobs):
+        assert row == pytest.approx(expected, abs=2e-4)
+
+
 def test_int8_weights_agree_with_bfloat16_where_bfloat16_is_sure(sharp_tiny_model):
     """Greedy tokens agree with bfloat16's until a step whose two best bfloat16 logprobs are near: there int8's
-    small error may pick the other (the message shows the gap). The random tiny model has many near-ties (gaps of
-    one or two bfloat16 steps, 0.0625 here), so the share that agrees says little."""
+    error may pick the other (the message shows the gap). This random model's large weights make its logits large,
+    and int8's error with them: its first differences came at gaps of 0.06 to 1.63 (1.63 where the AVX2 build's
+    bfloat16, which is transformers' token for token, took the other side of an earlier near-tie than the AVX-512
+    build's), so only a gap of 2 counts as sure. The share that agrees says little; SmolLM2's test below says how
+    close int8 stays on a real model."""
     folder = sharp_tiny_model[0]
     options = dict(dtype="bfloat16", max_model_len=128, num_kvcache_blocks=32)
     top2 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -205,7 +243,7 @@ def test_int8_weights_agree_with_bfloat16_where_bfloat16_is_sure(sharp_tiny_mode
         expected = [o.outputs[0] for o in llm.generate(PROMPTS, top2, use_tqdm=False)]
     with LLM(folder, quantization="int8", **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, top2, use_tqdm=False)]
-    assert_agree_until_a_near_tie(got, expected, max_gap=0.25)
+    assert_agree_until_a_near_tie(got, expected, max_gap=2.0)
 
 
 def assert_agree_until_a_near_tie(tokens: list[list[int]], expected: list, max_gap: float) -> float:
@@ -224,7 +262,7 @@ def assert_agree_until_a_near_tie(tokens: list[list[int]], expected: list, max_g
 
 def test_the_options_errors_name_quantization(sharp_tiny_model, monkeypatch):
     folder = sharp_tiny_model[0]
-    with pytest.raises(ValueError, match=r"quantization must be one of \('int8',\) or None, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'int4'\) or None, got 'fp8'"):
         LLM(folder, quantization="fp8")
     with pytest.raises(ValueError, match="quantization='int8' runs on the CPU with attention_backend='cpu'"):
         LLM(folder, quantization="int8", attention_backend="torch")
@@ -266,13 +304,30 @@ def test_two_ranks_quantize_as_one(qwen2_dirs):
 
 @pytest.mark.slow
 def test_smollm2_int8_agrees_with_bfloat16_on_chat_prompts(smollm2_dir):
+    """int8 reads bfloat16's answers (each answer the prompt of one int8 step, so that every position sees
+    bfloat16's context, and a near-tie early in an answer does not decide the rest): where its most likely token is
+    not bfloat16's, bfloat16's best two were within 1.0 of each other, and it is bfloat16's at 85% of the positions
+    at least (measured: 64 of 71 with the AVX-512 kernels, 68 or more with the AVX2 ones)."""
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
                  "Explain what a CPU cache is in one sentence."]
     chats = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
     options = dict(dtype="bfloat16", max_model_len=512, num_kvcache_blocks=64)
     with LLM(smollm2_dir, **options) as llm:
-        expected = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
+        answers = llm.chat(chats, params, use_tqdm=False)
+    read = SamplingParams(max_tokens=1, prompt_logprobs=1)
     with LLM(smollm2_dir, quantization="int8", **options) as llm:
-        got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
-    assert assert_agree_until_a_near_tie(got, expected, max_gap=1.0) >= 0.5
+        readings = llm.generate([{"prompt_token_ids": a.prompt_token_ids + a.outputs[0].token_ids} for a in answers],
+                                read, use_tqdm=False)
+    agreed = total = 0
+    for answer, reading in zip(answers, readings):
+        output, start = answer.outputs[0], len(answer.prompt_token_ids)
+        for i, token in enumerate(output.token_ids):
+            total += 1
+            if reading.prompt_logprobs[start + i][token].rank == 1:
+                agreed += 1
+                continue
+            best, second = sorted((lp.logprob for lp in output.logprobs[i].values()), reverse=True)[:2]
+            assert best - second < 1.0, (f"int8 prefers another token at step {i} of {output.text!r}, where "
+                                         f"bfloat16's best two logprobs are {best - second:.3f} apart")
+    assert agreed >= 0.85 * total, f"int8's most likely token is bfloat16's at {agreed} of {total} positions"

@@ -202,7 +202,8 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             spec_num_drafts=self.drafter.counts[0], spec_num_draft_tokens=self.drafter.counts[1],
-            spec_num_accepted_tokens=self.drafter.counts[2], step_history=list(self.step_history))
+            spec_num_accepted_tokens=self.drafter.counts[2], weight_bytes=self.model_executor.runner.weight_bytes,
+            step_history=list(self.step_history))
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

@@ -26,7 +26,6 @@ from nanoengine.layers.attention import Attention
 from nanoengine.layers.sampler import SamplingTensors, apply_logit_bias, apply_penalties, sample, top_logprobs
 from nanoengine.models import model_class_for
 from nanoengine.platforms import platform_for
-from nanoengine.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +113,10 @@ class ModelRunner:
                 model = model_class_for(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(model, self.config.model)
+        self.platform.load_weights(model, self.config)
         self.platform.prepare_model(model)
+        self.weight_bytes = weight_bytes(model)
+        logger.info("model weights: %.1f MiB (%s)", self.weight_bytes / 2**20, self.config.model)
         return model.eval()
 
     def attention_layers(self) -> list[Attention]:
@@ -344,3 +345,12 @@ def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[tuple[Req
     for row, stop_token_ids in bans:
         logits[row, stop_token_ids] = float("-inf")
     return logits
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes the model's weights hold, quantized weights' scales (and minimums) included, each tensor once (a
+    tied LM head is its embeddings)."""
+    tensors = {t.data_ptr(): t for module in model.modules()
+               for t in (*module.parameters(recurse=False), getattr(module, "weight_scale", None),
+                         getattr(module, "weight_min", None)) if t is not None}
+    return sum(t.nbytes for t in tensors.values())

@@ -3,28 +3,37 @@ template), and build the Request. Nothing is queued here: the engine queues what
 front process uses it alone (a tokenizer and the config, no model) to answer a bad request with a 400 at once.
 """
 
+import os
 import time
 from dataclasses import replace
 
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.structured_output import StructuredOutputManager
 from nanoengine.sampling_params import SamplingParams, check_number, check_text, field_error
+from nanoengine.utils.gguf_file import is_gguf
+
+
+def load_tokenizer(path: str):
+    """A folder's tokenizer, or the one a GGUF file's metadata describes (transformers builds it)."""
+    if is_gguf(path):
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
 
 
 class Processor:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.eos_token_ids = self.find_eos_token_ids()
         self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
 
     def find_eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} - {None}
         try:
-            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+            eos = self.config.model_generation_config().eos_token_id
         except OSError:  # no generation_config.json
             eos = None
         ids |= set(eos if isinstance(eos, list) else [eos]) - {None}

@@ -10,11 +10,16 @@ import torch
 from torch import nn
 
 from nanoengine.attention import load_backend
+from nanoengine.utils.loader import load_model
 
 
 class Platform:
     def attention_backend(self, name: str):
         return load_backend(name)
+
+    def load_weights(self, model: nn.Module, config) -> None:
+        """Fill the model's parameters from ``config.model`` (EngineConfig's): a folder's safetensors."""
+        load_model(model, config.model)
 
     def prepare_model(self, model: nn.Module) -> None:
         """Swap the platform's kernels into the loaded model (before the KV cache is allocated)."""

@@ -25,18 +25,29 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 loaded.add(load_tensor(params, packed, name, f.get_tensor(name)))
+    check_all_loaded(params, loaded, model_dir)
+
+
+def check_all_loaded(params: dict[str, nn.Parameter], loaded: set[str], source: str) -> None:
     missing = {name for name, p in params.items() if name not in loaded and not is_tied_to_loaded(p, params, loaded)}
     if missing:
-        raise ValueError(f"checkpoint in {model_dir!r} lacks weights: {sorted(missing)[:5]}")
+        raise ValueError(f"checkpoint in {source!r} lacks weights: {sorted(missing)[:5]}")
+
+
+def target_of(packed: dict, name: str) -> tuple[str, str | int | None]:
+    """The parameter a checkpoint tensor loads into, and its shard there (None: the whole parameter)."""
+    for hf_part, (our_part, shard_id) in packed.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{our_part}."), shard_id
+    return name, None
 
 
 def load_tensor(params: dict[str, nn.Parameter], packed: dict, name: str, tensor: torch.Tensor) -> str:
-    for hf_part, (our_part, shard_id) in packed.items():
-        if f".{hf_part}." in name:
-            target = name.replace(f".{hf_part}.", f".{our_part}.")
-            param = parameter(params, target)
-            param.weight_loader(param, tensor, shard_id)
-            return target
+    target, shard_id = target_of(packed, name)
+    if shard_id is not None:
+        param = parameter(params, target)
+        param.weight_loader(param, tensor, shard_id)
+        return target
     param = parameter(params, name)
     loader = getattr(param, "weight_loader", None)
     if loader is None:

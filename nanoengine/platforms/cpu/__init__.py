@@ -4,7 +4,8 @@
 - build.py      the one C++ extension (csrc/), built for this machine on first use
 - attention.py  the ``cpu`` attention backend: the C++ decode and prefill kernels
 - linear.py     per weight shape and row count, the fastest matmul kernel, measured once and cached
-- quantize.py   int8 weights (quantization="int8"), quantized at load
+- quantize.py   int8 and 4-bit weights (quantization="int8" or "int4"), quantized at load
+- gguf.py       a GGUF file's weights, loaded in the formats above as the file holds them
 - ops.py        RMSNorm, SiLU-and-mul, rotary and argmax as C++ kernels, in place of the layers' torch forwards
 - one_call.py   the decoder layers in one C++ call: the CPU's counterpart of CUDA graphs
 
@@ -22,10 +23,12 @@ from nanoengine.platforms import Platform
 from nanoengine.platforms.cpu import ops
 from nanoengine.platforms.cpu.attention import CpuBackend, load_backend
 from nanoengine.platforms.cpu.build import load_cpu_kernels
+from nanoengine.platforms.cpu.gguf import load_gguf
 from nanoengine.platforms.cpu.linear import use_linear_kernels
 from nanoengine.platforms.cpu.memory import keep_freed_memory
 from nanoengine.platforms.cpu.one_call import LayersInOneCall
 from nanoengine.platforms.cpu.quantize import quantize_linear_layers
+from nanoengine.utils.gguf_file import is_gguf
 
 
 class CpuPlatform(Platform):
@@ -34,17 +37,23 @@ class CpuPlatform(Platform):
         # The C++ extension comes with the cpu attention backend (the torch and triton backends run without it).
         self.kernels = load_cpu_kernels() if attention_backend == "cpu" else None
         self.quantization = quantization
-        if quantization is not None and (self.kernels is None or quantization not in self.kernels.linear_dtypes()):
+        if quantization == "int8" and (self.kernels is None or quantization not in self.kernels.linear_dtypes()):
             raise ValueError(f"quantization={quantization!r}: this machine's CPU kernels cannot multiply "
-                             f"{quantization} weights (they need AVX-512 and a C++ compiler: see the warning above); "
+                             f"{quantization} weights (they need a C++ compiler: see the warning above); "
                              "leave quantization unset")
 
     def attention_backend(self, name: str):
         return CpuBackend(self.kernels) if name == "cpu" else load_backend(name)
 
+    def load_weights(self, model: nn.Module, config) -> None:
+        if is_gguf(config.model):
+            load_gguf(model, config.model, config.hf_config)
+        else:
+            super().load_weights(model, config)
+
     def prepare_model(self, model: nn.Module) -> None:
-        if self.quantization == "int8":
-            quantize_linear_layers(model)
+        if self.quantization is not None:
+            quantize_linear_layers(model, self.quantization)
         use_linear_kernels(model, self.kernels)
         if self.kernels is not None:
             ops.use_small_op_kernels(model, self.kernels)

@@ -18,30 +18,28 @@ from torch import nn
 from nanoengine.distributed import all_reduce, gather_on_rank0
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase, RowParallelLinear
+from nanoengine.platforms.cpu.build import build_dir
+from nanoengine.platforms.cpu.quantize import dequantize_int4, in_features_of
 from nanoengine.utils.cpu_info import cpu_model
-from nanoengine.utils.default_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# On the CPU, torch's F.linear calls MKL, which on AMD processors runs its AVX2 code; oneDNN picks its kernels by
-# instruction set and runs AVX-512 there. On an Intel CPU both run AVX-512, and at one row MKL can be the faster. And
-# a CPU without AMX may multiply bfloat16 more slowly than float32 (docs/cpu.md): for many rows, widening the weight
-# to float32 into a scratch buffer and multiplying in float32 is then the faster, and exact (a product of two bfloat16
-# or float16 values is exact in float32, which is also what the narrow kernels accumulate in). So the kernel is chosen
-# by measurement: for each weight shape and row-count bucket, the fastest. oneDNN wants the weight in its own blocked
-# layout, made once. torch exposes this pair of ops only privately (its compiler uses them), so both calls are kept to
-# this file. At a decode's few rows a layer's time is reading its weight, which oneDNN does at about half the memory's
-# speed: our own AVX-512 kernel (cpu_linear.cpp, float32, bfloat16 and int8, in a layout of its own) is the fourth
-# candidate. An int8 weight (quantize.py) takes our kernel, or is dequantized into the float32 scratch buffer
-# ("float32"), or, as the oracle, into a new one ("torch").
+# Four kernels can multiply by a weight, and which is fastest depends on the CPU, the dtype, the shape and the rows
+# (docs/cpu.md): torch's F.linear (MKL), oneDNN's packed weight (its own layout, made once; torch exposes the pair
+# of ops only privately, so both calls are kept to this file), the weight widened to float32 into a scratch buffer
+# (exact: a product of two 16-bit floats is exact in float32), and our tiled kernel (cpu_linear.cpp, on the vector
+# layer), which reads the weight at the memory's speed at a decode's few rows. So the kernel is chosen by
+# measurement, per weight shape and row bucket. An int8 or 4-bit weight (quantize.py) takes our kernel, or is
+# dequantized into the float32 scratch buffer ("float32"), or, as the oracle, into a new one ("torch").
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-WIDENED_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
+WIDENED_DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.uint8)
 ONEDNN_ROWS_HINT = 32  # the layout barely depends on the batch size it is made for
 ROW_BUCKETS = (1, 8, 32, 256)  # a call with <= 1, <= 8, <= 32 or more rows takes the kernel timed at these rows
 # F.linear, oneDNN's packed weight, widened to float32, cpu_linear.cpp's kernel
-KERNELS = ("torch", "onednn", "float32", "avx512")
+KERNELS = ("torch", "onednn", "float32", "tiled")
 CHOICES = ("auto", *KERNELS)
-KERNEL_CODE = [Path(__file__).parent / "csrc" / name for name in ("cpu_linear.cpp", "cpu_simd.h")]  # our kernel's
+# our kernel's code
+KERNEL_CODE = [Path(__file__).parent / "csrc" / name for name in ("cpu_linear.cpp", "cpu_simd.h", "cpu_vec.h")]
 
 
 @dataclass
@@ -51,9 +49,10 @@ class KernelChoice:
     used_at: tuple[str, ...]
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout, where a bucket uses "onednn"
     scratch: torch.Tensor | None = None  # float32, at least the weight's size (shared by the model's layers)
-    steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "avx512"
+    steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "tiled"
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
-    scale: torch.Tensor | None = None  # an int8 weight's float32 scale per output (quantize.py)
+    scale: torch.Tensor | None = None  # an int8 weight's float32 scale per output, a 4-bit one's per group
+    minimum: torch.Tensor | None = None  # a 4-bit weight's minimum per group (quantize.py)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,21 +63,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel = kernel_at(choice, bucket_of(rows.shape[0]))
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
-    if kernel == "avx512":
+    if kernel == "tiled":
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
         choice.cpu_ops.linear(rows.contiguous(), choice.steps, choice.scale, bias, out)
         return out.view(*x.shape[:-1], weight.shape[0])
-    if kernel == "float32" or choice.scale is not None:  # an int8 weight's "torch" too: the oracle's math
-        wide = choice.scratch[:weight.numel()].view(weight.shape) if kernel == "float32" else None
-        wide = widened(weight, choice.scale, wide)
+    if kernel == "float32" or choice.scale is not None:  # a quantized weight's "torch" too: the oracle's math
+        shape = (weight.shape[0], in_features_of(weight))
+        wide = choice.scratch[:shape[0] * shape[1]].view(shape) if kernel == "float32" else None
+        wide = widened(weight, choice, wide)
         return F.linear(x.float(), wide, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
-def widened(weight: torch.Tensor, scale: torch.Tensor | None, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight`` in float32, in ``into`` or a new tensor; an int8 weight dequantized (times its ``scale``)."""
+def widened(weight: torch.Tensor, choice: KernelChoice, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` in float32, in ``into`` or a new tensor; a quantized one dequantized with ``choice``'s scales."""
+    if weight.dtype == torch.uint8:
+        return dequantize_int4(weight, choice.scale, choice.minimum, into)
     wide = (torch.empty(weight.shape) if into is None else into).copy_(weight)
-    return wide if scale is None else wide.mul_(scale.unsqueeze(1))
+    return wide if choice.scale is None else wide.mul_(choice.scale.unsqueeze(1))
 
 
 def bucket_of(num_rows: int) -> int:
@@ -123,7 +125,7 @@ def kernels_for(weight: torch.Tensor, cpu_ops: ModuleType | None = None) -> tupl
     if weight.device.type != "cpu":
         return ("torch",)
     return (("torch",) + ("onednn",) * can_pack_for_onednn(weight) + ("float32",) * (weight.dtype in WIDENED_DTYPES)
-            + ("avx512",) * can_pack_steps(weight, cpu_ops))
+            + ("tiled",) * can_pack_steps(weight, cpu_ops))
 
 
 def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: ModuleType | None = None) -> None:
@@ -139,18 +141,23 @@ def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: Modul
                    * len(ROW_BUCKETS) for m in layers}
     else:
         choices = measured_choices({shape_key(m.weight, x_dtype): m.weight for m in layers}, cpu_ops, x_dtype)
-    widened_sizes = [m.weight.numel() for m in layers if "float32" in choices[shape_key(m.weight, x_dtype)]]
+    widened_sizes = [m.weight.shape[0] * in_features_of(m.weight) for m in layers
+                     if "float32" in choices[shape_key(m.weight, x_dtype)]]
     scratch = torch.empty(max(widened_sizes), dtype=torch.float32) if widened_sizes else None
     for module in layers:
         used_at, scale = choices[shape_key(module.weight, x_dtype)], getattr(module, "weight_scale", None)
         module.kernel_choice = None if set(used_at) == {"torch"} and scale is None else KernelChoice(
             used_at, pack_for_onednn(module.weight) if "onednn" in used_at else None, scratch,
-            pack_steps(module.weight) if "avx512" in used_at else None, cpu_ops, scale)
+            pack_steps(module.weight) if "tiled" in used_at else None, cpu_ops, scale,
+            getattr(module, "weight_min", None))
 
 
 def shape_key(weight: torch.Tensor, x_dtype: torch.dtype) -> str:
-    key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
-    return f"{key} x {str(x_dtype).removeprefix('torch.')}" if weight.dtype == torch.int8 else key
+    """A weight's shape (out x in) and type, and for a quantized one, x's type."""
+    if weight.is_floating_point():
+        return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}"
+    kind = "int4" if weight.dtype == torch.uint8 else "int8"
+    return f"{weight.shape[0]}x{in_features_of(weight)} {kind} x {str(x_dtype).removeprefix('torch.')}"
 
 
 def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | None,
@@ -158,7 +165,7 @@ def measured_choices(weights: dict[str, torch.Tensor], cpu_ops: ModuleType | Non
     """Per shape, the fastest kernel at each row bucket; shapes this machine has not timed yet are timed now
     (the log says how long it took) and added to the cache file. Delete the file to time again (figures
     taken while other work loads the machine can pick the wrong kernel)."""
-    path = cache_dir() / "linear-kernels.json"
+    path = build_dir() / "linear-kernels.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
     known = cache.setdefault(machine_key(), {})
     start = time.perf_counter()
@@ -191,13 +198,17 @@ def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, x_dtype:
                rounds: int = 5) -> list[str]:
     """The fastest kernel for this weight (times x of ``x_dtype``, by default the weight's) at each bucket's row
     count: each kernel's best of ``rounds`` calls, the kernels taking turns, so that a burst of other work on the
-    machine weighs on all of them alike (timed one after another, a burst once made MKL's AVX2 kernel win a shape
-    where oneDNN is twice as fast)."""
-    scale = torch.ones(weight.shape[0]) if weight.dtype == torch.int8 else None
-    candidates = {kernel: only_kernel(weight, kernel, cpu_ops, scale) for kernel in kernels_for(weight, cpu_ops)}
+    machine weighs on all of them alike."""
+    scale = minimum = None
+    if weight.dtype == torch.int8:
+        scale = torch.ones(weight.shape[0])
+    elif weight.dtype == torch.uint8:  # groups of 32 (the choice depends little on the group size)
+        scale = minimum = torch.ones(weight.shape[0], in_features_of(weight) // 32, dtype=torch.float16)
+    candidates = {kernel: only_kernel(weight, kernel, cpu_ops, scale, minimum)
+                  for kernel in kernels_for(weight, cpu_ops)}
     fastest = []
     for rows in ROW_BUCKETS:
-        x = torch.randn(rows, weight.shape[1], dtype=x_dtype or weight.dtype)
+        x = torch.randn(rows, in_features_of(weight), dtype=x_dtype or weight.dtype)
         best = dict.fromkeys(candidates, float("inf"))
         for round_number in range(rounds + 1):
             for kernel, choice in candidates.items():
@@ -210,11 +221,13 @@ def fastest_at(weight: torch.Tensor, cpu_ops: ModuleType | None = None, x_dtype:
 
 
 def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = None,
-                scale: torch.Tensor | None = None) -> KernelChoice:
-    """``kernel`` for this weight (an int8 one with its ``scale``) at every row count, with what it needs."""
+                scale: torch.Tensor | None = None, minimum: torch.Tensor | None = None) -> KernelChoice:
+    """``kernel`` for this weight (a quantized one with its ``scale``, and ``minimum``) at every row count, with what
+    it needs."""
+    wide = weight.shape[0] * in_features_of(weight)
     return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
-                        torch.empty(weight.numel(), dtype=torch.float32) if kernel == "float32" else None,
-                        pack_steps(weight) if kernel == "avx512" else None, cpu_ops, scale)
+                        torch.empty(wide, dtype=torch.float32) if kernel == "float32" else None,
+                        pack_steps(weight) if kernel == "tiled" else None, cpu_ops, scale, minimum)
 
 
 def use_linear_kernels(model: nn.Module, cpu_ops: ModuleType | None) -> None:

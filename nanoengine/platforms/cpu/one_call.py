@@ -29,7 +29,7 @@ class LayersInOneCall:
         self.caches = [cache for layer in layers for cache in layer_caches(layer.self_attn.attn)]
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.runs_at = [all(kernel_at(m.kernel_choice, bucket) == "avx512" for m in linears)
+        self.runs_at = [all(kernel_at(m.kernel_choice, bucket) == "tiled" for m in linears)
                         for bucket in range(len(ROW_BUCKETS))]
 
     @classmethod

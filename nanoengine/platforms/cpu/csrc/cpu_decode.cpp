@@ -98,35 +98,20 @@ void attend_group(const T* q_raw, float scale, const HeadCache<C>& cache, const 
     for (int d = 0; d < head_dim; ++d) out[g * head_dim + d] = T(acc[g * head_dim + d] / l[g]);
 }
 
-#if defined(__AVX512F__)
-// Lane t of the result is the sum of v[t]'s 16 lanes: 16 dot products finished with 45 shuffles and adds
-// where 16 separate horizontal sums would take about 130.
-inline __m512 sum_each(__m512* v) {
-  for (int i = 0; i < 8; ++i)  // in each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
-    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // in each 128-bit lane: that lane's sum of v[4i], v[4i+1], v[4i+2], v[4i+3]
-    v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 2; ++i)  // then the lanes' sums, two 128-bit lanes at a time
-    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // q . k over HEAD_DIM elements, as 16 float32 partial sums, from q widened to float32 (``q_wide``) or, with
 // AVX-512 BF16, from bfloat16 q and k in dpbf16: each product exact in float32 and added with its own rounding,
 // as an FMA would (denormals flushed).
 template <typename T, typename C, int HEAD_DIM>
-inline __m512 dot16(const T* q, const __m512* q_wide, const C* k) {
-  __m512 sum = _mm512_setzero_ps();
+inline Vec16 dot16(const T* q, const Vec16* q_wide, const C* k) {
+  Vec16 sum = zero16();
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<C, at::BFloat16>) {
-    for (int c = 0; c < HEAD_DIM / 32; ++c) sum = _mm512_dpbf16_ps(sum, load_pairs(q + 32 * c), load_pairs(k + 32 * c));
+    for (int c = 0; c < HEAD_DIM / 32; ++c)
+      sum.v = _mm512_dpbf16_ps(sum.v, load_pairs(q + 32 * c), load_pairs(k + 32 * c));
     return sum;
   }
 #endif
-  for (int c = 0; c < HEAD_DIM / 16; ++c) sum = _mm512_fmadd_ps(q_wide[c], load16(k + 16 * c), sum);
+  for (int c = 0; c < HEAD_DIM / 16; ++c) sum = fma16(q_wide[c], load16(k + 16 * c), sum);
   return sum;
 }
 
@@ -137,7 +122,7 @@ inline __m512 dot16(const T* q, const __m512* q_wide, const C* k) {
 // widened, one FMA per key). A key past n (an odd n's last pair) is zero, whatever its row holds.
 template <int HEAD_DIM, int HEADS>
 inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, int64_t token_stride,
-                            __m512 (*sum)[HEAD_DIM / 16]) {
+                            Vec16 (*sum)[HEAD_DIM / 16]) {
   alignas(64) int32_t pairs[HEADS][8];  // per head, keys (2i, 2i + 1)'s p in bfloat16
   for (int h = 0; h < HEADS; ++h)
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[h])));
@@ -149,20 +134,20 @@ inline void add_value_pairs(const float (*p)[16], const at::BFloat16* v, int n, 
       const auto [first, second] = interleave_rows(a, b);  // columns 32c .. 32c + 15, then the next 16
       for (int h = 0; h < HEADS; ++h) {
         const __m512bh weight = as_pairs(_mm512_set1_epi32(pairs[h][t / 2]));
-        sum[h][2 * c] = _mm512_dpbf16_ps(sum[h][2 * c], as_pairs(first), weight);
-        sum[h][2 * c + 1] = _mm512_dpbf16_ps(sum[h][2 * c + 1], as_pairs(second), weight);
+        sum[h][2 * c].v = _mm512_dpbf16_ps(sum[h][2 * c].v, as_pairs(first), weight);
+        sum[h][2 * c + 1].v = _mm512_dpbf16_ps(sum[h][2 * c + 1].v, as_pairs(second), weight);
       }
     }
   }
 }
 #endif
 
-// HEADS query heads of one group over a request's context, 16 keys at a time in AVX-512 vectors, each head's
-// output sum kept in HEADS x HEAD_DIM / 16 vector variables (16 at most) for the whole context. For each query
-// head, its 16 dot products are finished by one sum_each and scaled, and the softmax runs on their 16 lanes;
-// then each V row is widened to float32 once and added into every head's sum (in bfloat16, two rows at a time
-// by add_value_pairs). HEADS is the exact count (a test per head in the loop over V rows cost 15% at 3 heads),
-// so a group is cut into calls of different HEADS.
+// HEADS query heads of one group over a request's context, 16 keys at a time in Vec16s, each head's output sum
+// kept in HEADS x HEAD_DIM / 16 vectors (16 at most) for the whole context. For each query head,
+// its 16 dot products are finished by one sum_each16 and scaled, and the softmax runs on their 16 lanes; then
+// each V row is widened to float32 and added into every head's sum (in bfloat16, two rows at a time by
+// add_value_pairs). HEADS is the exact count (a test per head in the loop over V rows cost 15% at 3 heads), so a
+// group is cut into calls of different HEADS.
 template <typename T, typename C, int HEAD_DIM, int HEADS>
 void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int32_t* block_table, int seq_len,
                   T* out) {
@@ -180,11 +165,11 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
   const int block_size = cache.block_size;
   const int64_t token_stride = cache.token_stride;
   float m[HEADS];
-  __m512 l[HEADS], sum[HEADS][kVectors];  // per head: the sums of p by lane, and the output sum
+  Vec16 l[HEADS], sum[HEADS][kVectors];  // per head: the sums of p by lane, and the output sum
   for (int h = 0; h < HEADS; ++h) {
     m[h] = kBelowEveryScore;
-    l[h] = _mm512_setzero_ps();
-    for (int c = 0; c < kVectors; ++c) sum[h][c] = _mm512_setzero_ps();
+    l[h] = zero16();
+    for (int c = 0; c < kVectors; ++c) sum[h][c] = zero16();
   }
   for (int start = 0, n = 0; start < seq_len; start += n) {  // runs of up to 16 keys, none across two blocks
     const int b = start / block_size, first = start % block_size;
@@ -193,52 +178,48 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
     const Row *k, *v;
     int64_t row_stride = token_stride;
     if constexpr (kAsPairs) {
-#if defined(__AVX512BF16__)
       for (int t = 0; t < n; ++t)
         for (int d = 0; d < HEAD_DIM; d += 32) {
           widen32(cache.k + (token + t) * token_stride + d, widened[t] + d);
           widen32(cache.v + (token + t) * token_stride + d, widened[16 + t] + d);
         }
-#endif
       k = widened[0], v = widened[16], row_stride = HEAD_DIM;
     } else {
       k = cache.k + token * token_stride, v = cache.v + token * token_stride;
     }
     if (first == 0 && start + block_size < seq_len) cache.prefetch(block_table, b + 1, HEAD_DIM);
-    const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    __m512 score_scale = _mm512_set1_ps(scale), value_scale = _mm512_set1_ps(1.f);
+    Vec16 score_scale = broadcast16(scale), value_scale = broadcast16(1.f);
     if constexpr (kQuantized) {  // the run's tokens' scales (1 past n: a slot there may hold anything)
       alignas(64) float k_scales[16], v_scales[16];
       for (int t = 0; t < 16; ++t) {
         k_scales[t] = t < n ? cache.k_scale[(token + t) * cache.scale_stride] : 1.f;
         v_scales[t] = t < n ? cache.v_scale[(token + t) * cache.scale_stride] : 1.f;
       }
-      score_scale = _mm512_mul_ps(score_scale, _mm512_load_ps(k_scales));
-      value_scale = _mm512_load_ps(v_scales);
+      score_scale = score_scale * load16(k_scales);
+      value_scale = load16(v_scales);
     }
     alignas(64) float p[HEADS][16];  // each head's weights of the run's V rows (times their scales)
     for (int h = 0; h < HEADS; ++h) {
       const T* q_row = q + h * HEAD_DIM;
-      __m512 q_wide[kVectors], partial[16];
+      Vec16 q_wide[kVectors], partial[16];
       for (int c = 0; c < kVectors; ++c) q_wide[c] = load16(q_row + 16 * c);
       if (n == 16) {  // the common case, unrolled without a test per key
         for (int t = 0; t < 16; ++t) partial[t] = dot16<T, Row, HEAD_DIM>(q_row, q_wide, k + t * row_stride);
       } else {  // rows past n are never read: they may hold anything, NaN included
         for (int t = 0; t < 16; ++t)
-          partial[t] = t < n ? dot16<T, Row, HEAD_DIM>(q_row, q_wide, k + t * row_stride) : _mm512_setzero_ps();
+          partial[t] = t < n ? dot16<T, Row, HEAD_DIM>(q_row, q_wide, k + t * row_stride) : zero16();
       }
-      const __m512 scores = _mm512_mask_blend_ps(live, _mm512_set1_ps(kBelowEveryScore),
-                                                 _mm512_mul_ps(sum_each(partial), score_scale));
-      const float block_max = _mm512_reduce_max_ps(scores);
+      const Vec16 scores = first_lanes16(n, sum_each16(partial) * score_scale, broadcast16(kBelowEveryScore));
+      const float block_max = reduce_max16(scores);
       if (block_max > m[h]) {  // a new max: what was summed so far shrinks by exp(old max - new max)
-        const __m512 rescale = exp16(_mm512_set1_ps(m[h] - block_max));  // about 0 on the first keys
-        for (int c = 0; c < kVectors; ++c) sum[h][c] = _mm512_mul_ps(sum[h][c], rescale);
-        l[h] = _mm512_mul_ps(l[h], rescale);
+        const Vec16 rescale = exp16(broadcast16(m[h] - block_max));  // about 0 on the first keys
+        for (int c = 0; c < kVectors; ++c) sum[h][c] = sum[h][c] * rescale;
+        l[h] = l[h] * rescale;
         m[h] = block_max;
       }
-      const __m512 p_live = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[h]))));
-      _mm512_store_ps(p[h], _mm512_mul_ps(p_live, value_scale));
-      l[h] = _mm512_add_ps(l[h], p_live);
+      const Vec16 p_live = first_lanes16(n, exp16(scores - broadcast16(m[h])), zero16());
+      store16(p[h], p_live * value_scale);
+      l[h] = l[h] + p_live;
     }
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<Row, at::BFloat16>) {
@@ -246,16 +227,18 @@ void attend_heads(const T* q, float scale, const HeadCache<C>& cache, const int3
       continue;
     }
 #endif
-    for (int t = 0; t < n; ++t)
-      for (int c = 0; c < kVectors; ++c) {
-        const __m512 value = load16(v + t * row_stride + 16 * c);
-        for (int h = 0; h < HEADS; ++h) sum[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), value, sum[h][c]);
+    // A column of every head's sums at a time, over the run's keys: where the sums do not all fit in registers
+    // (AVX2 at head size 128), each is loaded and stored once a run, not once a key.
+    for (int c = 0; c < kVectors; ++c)
+      for (int t = 0; t < n; ++t) {
+        const Vec16 value = load16(v + t * row_stride + 16 * c);
+        for (int h = 0; h < HEADS; ++h) sum[h][c] = fma16(broadcast16(p[h][t]), value, sum[h][c]);
       }
   }
   for (int h = 0; h < HEADS; ++h) {
-    const float total = _mm512_reduce_add_ps(l[h]);
+    const float total = reduce_add16(l[h]);
     alignas(64) float row[HEAD_DIM];
-    for (int c = 0; c < kVectors; ++c) _mm512_store_ps(row + 16 * c, sum[h][c]);
+    for (int c = 0; c < kVectors; ++c) store16(row + 16 * c, sum[h][c]);
     for (int d = 0; d < HEAD_DIM; ++d) out[h * HEAD_DIM + d] = T(row[d] / total);
   }
 }
@@ -267,18 +250,18 @@ constexpr auto attend_heads_by_count(std::integer_sequence<int, H...>) {
 }
 
 // attend_group's contract for head sizes that are a multiple of 32 (up to 256): the group kHeads query heads
-// at a time, as many as attend_heads keeps in 16 vectors, and the rest in one call.
+// at a time, as many as keep their sums in 16 Vec16s (AVX-512's registers hold them; on AVX2 they live in L1,
+// each loaded and stored once a run of keys, which costs less than reading the K and V rows again per head).
 template <typename T, typename C, int HEAD_DIM>
-void attend_group_avx512(const T* q, float scale, const HeadCache<C>& cache, const int32_t* block_table, int seq_len,
-                         int group, int, T* out, float*) {
-  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "attend_heads keeps at least one head's sum in 16 vectors");
+void attend_group_vectors(const T* q, float scale, const HeadCache<C>& cache, const int32_t* block_table,
+                          int seq_len, int group, int, T* out, float*) {
+  static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "add_value_pairs takes 32 columns at a time");
   constexpr int kHeads = 16 / (HEAD_DIM / 16);
   constexpr auto attend = attend_heads_by_count<T, C, HEAD_DIM>(std::make_integer_sequence<int, kHeads>());
   for (int h = 0; h < group; h += kHeads)
     attend[std::min(kHeads, group - h) - 1](q + h * HEAD_DIM, scale, cache, block_table, seq_len,
                                             out + h * HEAD_DIM);
 }
-#endif
 
 constexpr int64_t kTaskOverhead = 16;  // a task's fixed cost, in keys
 
@@ -289,15 +272,9 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int num_heads = q.size(1), head_dim = q.size(2);
   const int block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t table_stride = block_tables.stride(0), q_token_stride = q.stride(0);
-#if defined(__AVX512F__)
-  auto attend = head_dim == 64    ? attend_group_avx512<T, C, 64>
-                : head_dim == 128 ? attend_group_avx512<T, C, 128>
+  auto attend = head_dim == 64    ? attend_group_vectors<T, C, 64>
+                : head_dim == 128 ? attend_group_vectors<T, C, 128>
                                   : attend_group<T, C, 0>;
-#else
-  auto attend = head_dim == 64    ? attend_group<T, C, 64>
-                : head_dim == 128 ? attend_group<T, C, 128>
-                                  : attend_group<T, C, 0>;
-#endif
   const T* q_data = q.data_ptr<T>();
   const C *k_data = k_cache.data_ptr<C>(), *v_data = v_cache.data_ptr<C>();
   const float *k_scales = k_scale.data_ptr<float>(), *v_scales = v_scale.data_ptr<float>();  // null if empty
@@ -367,19 +344,4 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     case at::kHalf: return run(at::Half());
     default: TORCH_CHECK(false, "decode_attention: float32, bfloat16 or float16 only, not ", q.scalar_type());
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto release = py::call_guard<py::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, release);
-  m.def("rms_norm", &rms_norm, release);
-  m.def("add_rms_norm", &add_rms_norm, release);
-  m.def("silu_and_mul", &silu_and_mul, release);
-  m.def("rotary", &rotary, release);
-  m.def("store_kv", &store_kv, release);
-  m.def("argmax", &argmax, release);
-  m.def("prefill_attention", &prefill_attention, release);
-  m.def("linear_dtypes", &linear_dtypes);
-  m.def("linear", &linear, release);
-  m.def("decoder_layers", &decoder_layers, release);
 }

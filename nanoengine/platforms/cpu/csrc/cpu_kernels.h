@@ -1,5 +1,5 @@
 // Every CPU kernel the extension holds, for the files that call one another's (the module's bindings in
-// cpu_decode.cpp, the decoder layers' loop in cpu_decoder.cpp).
+// cpu_module.cpp, the decoder layers' loop in cpu_decoder.cpp).
 #pragma once
 #include <torch/extension.h>
 

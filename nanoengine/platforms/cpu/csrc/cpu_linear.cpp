@@ -23,12 +23,13 @@
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
 
-#if defined(__AVX512F__)
 namespace {
 
-constexpr int kLanes = 16;             // outputs per packed block
-constexpr int kAccumulators = 24;      // of the 32 registers: rows x blocks a tile sums in
-constexpr int kRowsPerChunk = 8;       // rows a tile holds, at most
+constexpr int kLanes = 16;  // outputs per packed block
+// Tile shapes: rows x blocks of sums kept in registers, three quarters of them (24 of AVX-512's 32 Vec16, 6 of
+// AVX2's 8), and the rows a tile holds at most.
+constexpr int kAccumulators = kVectorRegisters * 3 / 4;
+constexpr int kRowsPerChunk = kVectorRegisters >= 32 ? 8 : 3;
 constexpr int64_t kSplitBytes = 1 << 20;  // an x above this (a core's L2 here) is cut into panels
 constexpr int64_t kPanelBytes = 64 << 10;
 // How far ahead (in 64-byte lines) each of a tile's weight streams asks for its next lines: a tile of 6-8 streams
@@ -36,31 +37,28 @@ constexpr int64_t kPanelBytes = 64 << 10;
 // for fewer lines a step, and need 32.
 constexpr int prefetch_lines(int streams) { return streams >= 6 ? 16 : 32; }
 
-// One step of the inputs: its weights for 16 outputs are one load, its x one 32-bit broadcast (float32 and
-// bfloat16 with AVX512-BF16) or ``inputs`` float32 broadcasts (the widened weights: see kWidens).
+// One step of the inputs: its weights for 16 outputs, widened to float32 once per step of a tile and shared by
+// its rows, each input met by a row's broadcast x (float32) in an FMA.
 template <typename T>
 struct Step;
 
-// int8 (W8A16): 16 outputs' weights of one input are 16 bytes, sign-extended to 32 bits and converted to float32
-// in registers (vpmovsxbd, vcvtdq2ps), once per step of a tile and shared by its rows.
-template <>
-struct Step<int8_t> {
-  static constexpr int inputs = 1;
-  static void widen(const int8_t* w, __m512* out) { out[0] = load16(w); }
-};
-
-// The steps that multiply x as it is: ``load`` a step's weights once per step of a tile, ``multiply_add`` them
-// with each row's broadcast x.
 template <>
 struct Step<float> {
   static constexpr int inputs = 1;
-  static __m512 load(const float* w) { return _mm512_loadu_ps(w); }
-  static __m512 multiply_add(__m512 sums, __m512i x, __m512 w) {
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), w, sums);
-  }
+  static void widen(const float* w, Vec16* out) { out[0] = load16(w); }
+};
+
+// int8 (W8A16): 16 outputs' weights of one input are 16 bytes, sign-extended and converted to float32.
+template <>
+struct Step<int8_t> {
+  static constexpr int inputs = 1;
+  static void widen(const int8_t* w, Vec16* out) { out[0] = load16(w); }
 };
 
 #if defined(__AVX512BF16__)
+// With AVX512-BF16 a bfloat16 step is a pair of inputs (k, k + 1), which `vdpbf16ps` multiplies by a broadcast
+// pair of x as they are: ``load`` a step's weights once per step of a tile, ``multiply_add`` them with each row's
+// broadcast x.
 template <>
 struct Step<at::BFloat16> {
   static constexpr int inputs = 2;
@@ -80,41 +78,30 @@ struct Step<Int8Pairs> {
   static constexpr int inputs = 2;
   static __m512bh load(const Int8Pairs* w) {
     const int8_t* bytes = reinterpret_cast<const int8_t*>(w);
-    const __m512i first = _mm512_castps_si512(load16(bytes)), second = _mm512_castps_si512(load16(bytes + kLanes));
+    const __m512i first = _mm512_castps_si512(load16(bytes).v), second = _mm512_castps_si512(load16(bytes + kLanes).v);
     return as_pairs(_mm512_or_si512(_mm512_srli_epi32(first, 16), second));
   }
   static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
 };
 template <typename T>
-constexpr bool kWidens = std::is_same_v<T, int8_t>;
+constexpr bool kPairs = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, Int8Pairs>;
 #else
-// bfloat16 on a CPU without AVX512-BF16: each 64-byte load of weight pairs is widened to float32 once per step
-// of a tile, input k's weights by a shift (the low halves) and input k + 1's by a mask (the high halves), and
-// meets x, widened to float32 before the call, in two FMAs per row: float32's multiply rate at half its weight
-// bytes. (Looping over blocks before rows instead, GCC keeps every row's x in registers and spills the sums.)
+// bfloat16 elsewhere: each 64-byte load of weight pairs (k, k + 1) is widened to float32 once per step of a tile
+// (input k's weights by a shift, input k + 1's by a mask), and meets x, widened to float32 before the call, in two
+// FMAs per row: float32's multiply rate at half its weight bytes.
 template <>
 struct Step<at::BFloat16> {
   static constexpr int inputs = 2;
-  static void widen(const at::BFloat16* w, __m512* out) {
-    const __m512i pairs = _mm512_loadu_si512(w);
-    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    out[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))));
-  }
+  static void widen(const at::BFloat16* w, Vec16* out) { widen_pairs16(w, out[0], out[1]); }
 };
 template <typename T>
-constexpr bool kWidens = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, int8_t>;
+constexpr bool kPairs = false;
 #endif
 
 template <typename W>
 struct InputOf {
-  using type = std::conditional_t<kWidens<W>, float, W>;
+  using type = std::conditional_t<kPairs<W>, at::BFloat16, float>;
 };
-#if defined(__AVX512BF16__)
-template <>
-struct InputOf<Int8Pairs> {
-  using type = at::BFloat16;
-};
-#endif
 template <typename W>
 using Input = typename InputOf<W>::type;  // what x is read as
 
@@ -143,42 +130,44 @@ constexpr int64_t kStepsPerLine = 64 / (kBlockStep<W> * int64_t(sizeof(W)));  //
 // weight ``ahead`` elements further on.
 template <typename W, typename T, int R, int V>
 void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
-  __m512 sums[R][V];
+  Vec16 sums[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) sums[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) sums[r][v] = zero16();
   const W* streams[V];
   for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<W>;
   for (int64_t s = 0; s < op.steps; ++s) {
     if (s % kStepsPerLine<W> == 0)  // once per 64-byte line of each stream, into L2, as prefetch_block does
       for (int v = 0; v < V; ++v) __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);
-    if constexpr (kWidens<W>) {
-      constexpr int inputs = Step<W>::inputs;
-      __m512 wide[V][inputs];
-      for (int v = 0; v < V; ++v) Step<W>::widen(streams[v] + s * kBlockStep<W>, wide[v]);
-      const float* x = op.x + (row * op.steps + s) * inputs;  // row r's inputs: x[r inputs steps + i]
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < inputs; ++i) {
-          const __m512 broadcast = _mm512_set1_ps(x[(r * op.steps) * inputs + i]);
-          for (int v = 0; v < V; ++v) sums[r][v] = _mm512_fmadd_ps(broadcast, wide[v][i], sums[r][v]);
-        }
-    } else {
+    if constexpr (kPairs<W>) {
+#if defined(__AVX512BF16__)
       decltype(Step<W>::load(streams[0])) weights[V];
       for (int v = 0; v < V; ++v) weights[v] = Step<W>::load(streams[v] + s * kBlockStep<W>);
       const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + row * op.steps;  // one int32 = one step of x
       for (int r = 0; r < R; ++r) {
         const __m512i broadcast = _mm512_set1_epi32(x[r * op.steps + s]);
-        for (int v = 0; v < V; ++v) sums[r][v] = Step<W>::multiply_add(sums[r][v], broadcast, weights[v]);
+        for (int v = 0; v < V; ++v) sums[r][v].v = Step<W>::multiply_add(sums[r][v].v, broadcast, weights[v]);
       }
+#endif
+    } else {
+      constexpr int inputs = Step<W>::inputs;
+      Vec16 wide[V][inputs];
+      for (int v = 0; v < V; ++v) Step<W>::widen(streams[v] + s * kBlockStep<W>, wide[v]);
+      const float* x = op.x + (row * op.steps + s) * inputs;  // row r's inputs: x[r inputs steps + i]
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < inputs; ++i) {
+          const Vec16 broadcast = broadcast16(x[(r * op.steps) * inputs + i]);
+          for (int v = 0; v < V; ++v) sums[r][v] = fma16(broadcast, wide[v][i], sums[r][v]);
+        }
     }
   }
   for (int v = 0; v < V; ++v) {
     const int64_t column = (block + v) * kLanes;
-    const __m512 bias = op.bias ? load16(op.bias + column) : _mm512_setzero_ps();
+    const Vec16 bias = op.bias ? load16(op.bias + column) : zero16();
     if constexpr (kScaled<W>) {
-      const __m512 scale = _mm512_loadu_ps(op.scale + column);
-      for (int r = 0; r < R; ++r) sums[r][v] = _mm512_mul_ps(sums[r][v], scale);
+      const Vec16 scale = load16(op.scale + column);
+      for (int r = 0; r < R; ++r) sums[r][v] = sums[r][v] * scale;
     }
-    for (int r = 0; r < R; ++r) store16(op.out + (row + r) * op.outputs + column, _mm512_add_ps(sums[r][v], bias));
+    for (int r = 0; r < R; ++r) store16(op.out + (row + r) * op.outputs + column, sums[r][v] + bias);
   }
 }
 
@@ -246,28 +235,22 @@ void run(const Operands<W, T>& op) {
 template <typename W, typename T = W>
 void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
-  const at::Tensor input = kWidens<W> ? x.to(at::kFloat) : x;
+  const at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
   const Operands<W, T> op{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
                           scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
                           out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)};
   // An int8 step is 16 or 32 bytes a stream, and widening it costs more than its multiply: 4 streams read them at
   // the memory's speed at one row, where 8 ran slower (docs/quantization.md).
-  if (op.rows <= 2) return run<W, T, sizeof(W) == 1 ? 4 : 8>(op);
-  if (op.rows <= 4) return run<W, T, 6>(op);
+  if constexpr (kVectorRegisters >= 32) {
+    if (op.rows <= 2) return run<W, T, sizeof(W) == 1 ? 4 : 8>(op);
+    if (op.rows <= 4) return run<W, T, 6>(op);
+  } else if (op.rows <= 2) {
+    return run<W, T, 3>(op);
+  }
   run<W, T, kAccumulators / kRowsPerChunk>(op);
 }
 
-}  // namespace
-#endif
-
-namespace {
-bool multiplies(at::ScalarType dtype) {
-#if defined(__AVX512F__)
-  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar;
-#else
-  return false;
-#endif
-}
+bool multiplies(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar; }
 
 // An int8 weight's x (and bias and out): float32, bfloat16 or float16.
 bool scales_for(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf; }
@@ -318,11 +301,9 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<a
   if (int8 && dtype == at::kBFloat16 && x.size(1) % 2 == 0)
     return linear_as<Int8Pairs, at::BFloat16>(x, packed, scale, bias, out);
 #endif
-#if defined(__AVX512F__)
   if (int8 && dtype == at::kBFloat16) return linear_as<int8_t, at::BFloat16>(x, packed, scale, bias, out);
   if (int8 && dtype == at::kHalf) return linear_as<int8_t, at::Half>(x, packed, scale, bias, out);
   if (int8) return linear_as<int8_t, float>(x, packed, scale, bias, out);
   if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, scale, bias, out);
   linear_as<float>(x, packed, scale, bias, out);
-#endif
 }

@@ -117,13 +117,11 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
         const T *gate = in + r * 2 * dim, *up = gate + dim;
         T* o = out_data + r * dim;
         int64_t d = 0;
-#if defined(__AVX512F__)
         for (; d + 16 <= dim; d += 16) {  // in float32 lanes: exp16 and the division a few units off, as torch's are
-          const __m512 g = load16(gate + d), one = _mm512_set1_ps(1.f);
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          store16(o + d, _mm512_mul_ps(round16<T>(silu), load16(up + d)));
+          const Vec16 g = load16(gate + d);
+          const Vec16 silu = g / (broadcast16(1.f) + exp16(zero16() - g));
+          store16(o + d, round16<T>(silu) * load16(up + d));
         }
-#endif
         for (; d < dim; ++d) {
           // In double (the argument capped: -ffast-math assumes no infinities), so it rounds as torch's float
           // silu does but where that is a unit off; the vector lanes above differ from torch in about 0.1%.
@@ -179,16 +177,13 @@ float quantize_row(const T* x, int n, int8_t* q) {
   const float scale = absmax / levels;
   volatile float divisor = scale > 0.f ? scale : 1.f;
   int d = 0;
-#if defined(__AVX512F__)
-  const __m512 divisors = _mm512_set1_ps(divisor);
+  const Vec16 divisors = broadcast16(divisor);
   for (; d + 16 <= n; d += 16) {
-    __m512 quotient;
-    asm("vdivps %2, %1, %0" : "=v"(quotient) : "v"(load16(x + d)), "v"(divisors));
-    const __m512 rounded = _mm512_roundscale_ps(quotient, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), rounded));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(clamped)));
+    const Vec16 rounded = round_to_integer16(divide_exactly16(load16(x + d), divisors));
+    alignas(64) float clamped[16];
+    store16(clamped, min16(broadcast16(127.f), max16(broadcast16(-127.f), rounded)));
+    for (int i = 0; i < 16; ++i) q[d + i] = int8_t(clamped[i]);  // integral already: the conversion is exact
   }
-#endif
   for (; d < n; ++d) q[d] = int8_t(std::clamp(std::nearbyint(float(x[d]) / divisor), -127.f, 127.f));
   return scale;
 }
@@ -273,21 +268,14 @@ int64_t argmax_row(const float* row, int64_t n) {
     std::memcpy(&bits, &v, sizeof(bits));
     return (bits & 0x7FFFFFFFu) > 0x7F800000u;
   };
-  float most = row[0];
+  Vec16 most16 = broadcast16(row[0]);
   bool any_nan = false;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 most16 = _mm512_set1_ps(row[0]);
-  __mmask16 nan16 = 0;
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
   for (; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(row + j);
-    most16 = _mm512_max_ps(most16, v);
-    nan16 |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), infinity);
+    most16 = max16(most16, load16(row + j));
+    for (int i = 0; i < 16; ++i) any_nan |= is_nan(row[j + i]);
   }
-  most = _mm512_reduce_max_ps(most16);
-  any_nan = nan16 != 0;
-#endif
+  float most = reduce_max16(most16);
   for (; j < n; ++j) {
     most = std::max(most, row[j]);
     any_nan |= is_nan(row[j]);
@@ -297,13 +285,11 @@ int64_t argmax_row(const float* row, int64_t n) {
     while (!is_nan(row[j])) ++j;
     return j;
   }
-#if defined(__AVX512F__)
-  const __m512 target = _mm512_set1_ps(most);
-  for (; j + 16 <= n; j += 16) {
-    const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_loadu_ps(row + j), target);
-    if (hit) return j + __builtin_ctz(hit);
+  for (; j + 16 <= n; j += 16) {  // to the first 16 that hold the max, 16 compares at a time
+    bool hit = false;
+    for (int i = 0; i < 16; ++i) hit |= row[j + i] == most;
+    if (hit) break;
   }
-#endif
   while (row[j] != most) ++j;
   return j;
 }

@@ -38,8 +38,11 @@ using BFloat16Compute = float;
 
 namespace {
 
-constexpr int kTileRows = 6;     // rows of C one GEMM call keeps in registers (6 x 4 vectors of 16 floats)
-constexpr int kTileCols = 64;    // its columns: GEMM widths are padded to multiples of this
+// A GEMM call's tile: kTileRows rows of C in registers, by kTileVectors Vec16s of columns (6 x 4 of AVX-512's 32
+// registers, 3 x 2 of AVX2's).
+constexpr int kTileRows = kVectorRegisters >= 32 ? 6 : 3;
+constexpr int kTileVectors = kVectorRegisters >= 32 ? 4 : 2;
+constexpr int kTileCols = 64;    // GEMM widths are padded to multiples of this (of 16 kTileVectors)
 constexpr int kKeyBlock = 256;   // keys per step of the online softmax
 constexpr int kQueryRows = 192;  // about this many rows (tokens x group) per task
 
@@ -48,50 +51,46 @@ constexpr int kQueryRows = 192;  // about this many rows (tokens x group) per ta
 template <typename Compute>
 constexpr int kPair = sizeof(Compute) == 2 ? 2 : 1;
 
-// C[ROWS, 64] (+)= A[ROWS, k] B[k, 64] for B's first 64 columns (b_stride: B's packed width): with AVX-512,
-// C in registers and one row of A broadcast against four vectors of B (in pairs for bfloat16: dpbf16).
+// C[ROWS, 16 kTileVectors] (+)= A[ROWS, k] B[k, 16 kTileVectors] for B's first columns (b_stride: B's packed
+// width): C in registers and one row of A broadcast against kTileVectors vectors of B (in pairs for bfloat16:
+// dpbf16).
 template <typename Compute, int ROWS>
 void gemm_tile(const Compute* a, int a_stride, const Compute* b, int b_stride, int k, float* c, int c_stride,
                bool accumulate) {
-#if defined(__AVX512F__)
-  __m512 sum[ROWS][4];
+  Vec16 sum[ROWS][kTileVectors];
   for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j)
-      sum[i][j] = accumulate ? _mm512_loadu_ps(c + i * c_stride + 16 * j) : _mm512_setzero_ps();
+    for (int j = 0; j < kTileVectors; ++j) sum[i][j] = accumulate ? load16(c + i * c_stride + 16 * j) : zero16();
   for (int p = 0; p < k / kPair<Compute>; ++p) {
     const Compute* b_row = b + kPair<Compute> * p * b_stride;
     if constexpr (std::is_same_v<Compute, float>) {
-      __m512 column[4];
-      for (int j = 0; j < 4; ++j) column[j] = _mm512_loadu_ps(b_row + 16 * j);
+      Vec16 column[kTileVectors];
+      for (int j = 0; j < kTileVectors; ++j) column[j] = load16(b_row + 16 * j);
       for (int i = 0; i < ROWS; ++i) {
-        const __m512 row = _mm512_set1_ps(a[i * a_stride + p]);
-        for (int j = 0; j < 4; ++j) sum[i][j] = _mm512_fmadd_ps(row, column[j], sum[i][j]);
+        const Vec16 row = broadcast16(a[i * a_stride + p]);
+        for (int j = 0; j < kTileVectors; ++j) sum[i][j] = fma16(row, column[j], sum[i][j]);
       }
     } else {
 #if defined(__AVX512BF16__)
-      __m512bh column[4];
-      for (int j = 0; j < 4; ++j) column[j] = load_pairs(b_row + 32 * j);
+      __m512bh column[kTileVectors];
+      for (int j = 0; j < kTileVectors; ++j) column[j] = load_pairs(b_row + 32 * j);
       for (int i = 0; i < ROWS; ++i) {
         int32_t pair;
         std::memcpy(&pair, a + i * a_stride + 2 * p, sizeof(pair));
         const __m512i pairs = _mm512_set1_epi32(pair);  // row i's pair p, in every lane
         const __m512bh row = load_pairs(&pairs);
-        for (int j = 0; j < 4; ++j) sum[i][j] = _mm512_dpbf16_ps(sum[i][j], row, column[j]);
+        for (int j = 0; j < kTileVectors; ++j) sum[i][j].v = _mm512_dpbf16_ps(sum[i][j].v, row, column[j]);
       }
 #endif
     }
   }
   for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + i * c_stride + 16 * j, sum[i][j]);
-#else
-  float sum[ROWS][kTileCols];  // Compute is float here: plain loops, the compiler vectorizes the columns
-  for (int i = 0; i < ROWS; ++i)
-    for (int n = 0; n < kTileCols; ++n) sum[i][n] = accumulate ? c[i * c_stride + n] : 0.f;
-  for (int p = 0; p < k; ++p)
-    for (int i = 0; i < ROWS; ++i)
-      for (int n = 0; n < kTileCols; ++n) sum[i][n] += a[i * a_stride + p] * b[p * b_stride + n];
-  for (int i = 0; i < ROWS; ++i) std::copy(sum[i], sum[i] + kTileCols, c + i * c_stride);
-#endif
+    for (int j = 0; j < kTileVectors; ++j) store16(c + i * c_stride + 16 * j, sum[i][j]);
+}
+
+// gemm_tile for 1, 2, ..., kTileRows rows.
+template <typename Compute, int... R>
+constexpr auto tiles_by_rows(std::integer_sequence<int, R...>) {
+  return std::array{&gemm_tile<Compute, R + 1>...};
 }
 
 // Which product of a key block a GEMM computes: the scores S = Q K^T (B is K^T: its columns are keys) or the
@@ -105,16 +104,14 @@ enum class Product { kScores, kValues };
 template <typename Compute, typename Visible>
 void gemm(Product product, const Compute* a, int a_stride, const Compute* b, int b_stride, int columns, int k,
           float* c, int c_stride, int rows, Visible visible) {
-  using Tile = void (*)(const Compute*, int, const Compute*, int, int, float*, int, bool);
-  constexpr Tile tiles[] = {gemm_tile<Compute, 1>, gemm_tile<Compute, 2>, gemm_tile<Compute, 3>,
-                            gemm_tile<Compute, 4>, gemm_tile<Compute, 5>, gemm_tile<Compute, 6>};
+  constexpr auto tiles = tiles_by_rows<Compute>(std::make_integer_sequence<int, kTileRows>());
   for (int i = 0; i < rows; i += kTileRows) {
     const int tile_rows = std::min(kTileRows, rows - i), keys = visible(i + tile_rows - 1);
     if (keys <= 0) continue;  // scores not needed, and P V adds nothing
     const bool scores = product == Product::kScores;
     const int tile_columns = scores ? std::min(columns, round_up(keys, kTileCols)) : columns;
     const int tile_k = scores ? k : std::min(k, round_up(keys, kPair<Compute>));
-    for (int n = 0; n < tile_columns; n += kTileCols)
+    for (int n = 0; n < tile_columns; n += 16 * kTileVectors)
       tiles[tile_rows - 1](a + i * a_stride, a_stride, b + n * kPair<Compute>, b_stride, tile_k,
                            c + i * c_stride + n, c_stride, !scores);
   }
@@ -356,42 +353,28 @@ class PrefillAttention {
       return;
     }
     const float* s = w.scores.data() + row * kKeyBlock;
-#if defined(__AVX512F__)
     const int chunks = (visible + 15) / 16;  // 16 keys at a time; lanes past ``visible`` count for nothing
-    const auto live = [&](int c) { return __mmask16(16 * c + 16 <= visible ? 0xFFFF : (1u << visible % 16) - 1); };
-    const auto scale = [&](int c) { return scales ? _mm512_loadu_ps(scales + 16 * c) : _mm512_set1_ps(scale_); };
-    __m512 most = _mm512_set1_ps(w.max[row]);
+    const auto live = [&](int c) { return std::min(16, visible - 16 * c); };
+    const auto scale = [&](int c) { return scales ? load16(scales + 16 * c) : broadcast16(scale_); };
+    Vec16 most = broadcast16(w.max[row]);
     for (int c = 0; c < chunks; ++c)
-      most = _mm512_mask_max_ps(most, live(c), most, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale(c)));
-    const float block_max = _mm512_reduce_max_ps(most);
-    __m512 sums = _mm512_setzero_ps();
+      most = first_lanes16(live(c), max16(most, load16(s + 16 * c) * scale(c)), most);
+    const float block_max = reduce_max16(most);
+    Vec16 sums = zero16();
     for (int c = 0; c < chunks; ++c) {
-      __m512 e = _mm512_maskz_mov_ps(
-          live(c), exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), scale(c), _mm512_set1_ps(block_max))));
-      sums = _mm512_add_ps(sums, e);
-      if (scales) e = _mm512_mul_ps(e, _mm512_loadu_ps(scales + kKeyBlock + 16 * c));
+      Vec16 e = first_lanes16(live(c), exp16(load16(s + 16 * c) * scale(c) - broadcast16(block_max)), zero16());
+      sums = sums + e;
+      if (scales) e = e * load16(scales + kKeyBlock + 16 * c);
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<Compute, at::BFloat16>) {  // one instruction, rounding as store16 does
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), (__m256i)_mm512_cvtneps_pbh(e));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), (__m256i)_mm512_cvtneps_pbh(e.v));
         continue;
       }
 #endif
       store16(p + 16 * c, e);
     }
-    const float block_sum = _mm512_reduce_add_ps(sums);
+    const float block_sum = reduce_add16(sums);
     std::fill(p + std::min(16 * chunks, value_k), p + value_k, Compute(0));
-#else
-    const auto scale = [&](int t) { return scales ? scales[t] : scale_; };
-    float block_max = w.max[row];
-    for (int t = 0; t < visible; ++t) block_max = std::max(block_max, s[t] * scale(t));
-    float block_sum = 0.f;
-    for (int t = 0; t < visible; ++t) {
-      const float e = std::exp(s[t] * scale(t) - block_max);
-      block_sum += e;
-      p[t] = Compute(scales ? e * scales[kKeyBlock + t] : e);
-    }
-    std::fill(p + visible, p + value_k, Compute(0));
-#endif
     const float rescale = std::exp(w.max[row] - block_max);  // 0 on the first block
     w.max[row] = block_max;
     w.sum[row] = w.sum[row] * rescale + block_sum;

@@ -1,6 +1,6 @@
-// What the CPU kernels share (cpu_decode.cpp, cpu_prefill.cpp, cpu_ops.cpp,
-// cpu_linear.cpp): AVX-512 helpers, for which each kernel keeps a plain loop on CPUs without AVX-512, the
-// prefetch of a KV block, and round_up.
+// What the CPU kernels share (cpu_decode.cpp, cpu_prefill.cpp, cpu_ops.cpp, cpu_linear.cpp) besides the vector
+// layer (cpu_vec.h): the prefetch of a KV block, the attention kernels' checks, round_up, and the AVX512-BF16
+// micro-kernels' pieces.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -8,9 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "cpu_vec.h"
 
 // A running max's start: below every score, and finite, because -ffast-math (which lets the compiler call a
 // vectorized exp) assumes there are no infinities.
@@ -64,38 +63,11 @@ inline float token_scale(const float* scales, int64_t token, int64_t stride) {
     return 1.f;
 }
 
-#if defined(__AVX512F__)
+// n rounded up to a multiple of m.
+template <typename N, typename M>
+constexpr N round_up(N n, M m) { return (n + m - 1) / m * m; }
 
-// 16 values of T from memory as float32 lanes (a 16-bit float widens exactly).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const int8_t* p) {  // vpmovsxbd, vcvtdq2ps
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// float32 lanes rounded to bfloat16 (to nearest, ties to even, as torch rounds), in the high 16 bits of each.
-inline __m512i bfloat16_bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-}
-
-// 16 float32 lanes rounded to T and stored.
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(at::BFloat16* p, __m512 x) {
-  const __m256i narrow = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_bits(x), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow);
-}
-inline void store16(at::Half* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-}
-
+// The AVX512-BF16 micro-kernels' pieces: vdpbf16ps multiplies pairs of bfloat16 values.
 #if defined(__AVX512BF16__)
 // 32 bfloat16 values as dpbf16's pairs, loaded straight into a register (a cast from __m512i goes through memory
 // on GCC 12).
@@ -105,21 +77,20 @@ inline __m512bh load_pairs(const void* p) {
   return pairs;
 }
 inline __m512bh as_pairs(__m512i x) { return load_pairs(&x); }
+
+// 32 int8 values widened to bfloat16, exactly: every integer up to 256 is a bfloat16. In one whole 64-byte store,
+// so that a later 64-byte load of them is forwarded from the store rather than stalled.
+inline void widen32(const int8_t* x, at::BFloat16* out) {
+  const __m512bh both = _mm512_cvtne2ps_pbh(load16(x + 16).v, load16(x).v);  // the second operand is the low half
+  std::memcpy(out, &both, sizeof(both));
+}
 #endif
 
-// 32 int8 values widened to float32 or (with AVX512-BF16, where the kernels multiply bfloat16) to bfloat16,
-// exactly: every integer up to 256 is a bfloat16. In whole 64-byte stores, so that a later 64-byte load of them
-// is forwarded from the store rather than stalled.
+// 32 int8 values widened to float32.
 inline void widen32(const int8_t* x, float* out) {
   store16(out, load16(x));
   store16(out + 16, load16(x + 16));
 }
-#if defined(__AVX512BF16__)
-inline void widen32(const int8_t* x, at::BFloat16* out) {
-  const __m512bh both = _mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // the second operand is the low half
-  std::memcpy(out, &both, sizeof(both));
-}
-#endif
 
 #if defined(__AVX512BW__)
 // Two rows of 32 16-bit values interleaved, each column's pair one 32-bit unit (what dpbf16 multiplies):
@@ -129,35 +100,5 @@ inline std::array<__m512i, 2> interleave_rows(__m512i a, __m512i b) {
                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   return {_mm512_permutex2var_epi16(a, low, b), _mm512_permutex2var_epi16(a, high, b)};
-}
-#endif
-
-// n rounded up to a multiple of m.
-template <typename N, typename M>
-constexpr N round_up(N n, M m) { return (n + m - 1) / m * m; }
-
-// x rounded to T and back: where torch rounds a bfloat16 or float16 result, so do we.
-template <typename T>
-inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, at::BFloat16>)
-    return _mm512_castsi512_ps(_mm512_and_si512(bfloat16_bits(x), _mm512_set1_epi32(int(0xFFFF0000))));
-  else if constexpr (std::is_same_v<T, at::Half>)
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  else
-    return x;
-}
-
-// e^x in each lane, to a few units in the last place: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
-// series to r^6 (the first term left out is below 2e-7 relative), times 2^n. x is first clamped to [-87, 88], so
-// that the result stays a normal float: about 1e-38 where e^x is smaller still. A NaN stays NaN (max and min
-// return their second operand, x, when it is NaN), so a kernel that reads a poisoned slot shows it.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 in two parts, for r's precision
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 #endif
