@@ -178,3 +178,29 @@ def device_name(device: str) -> str:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def text_tokens(tokenizer, text: str) -> tuple[list[int], int | None]:
+    """The text's token ids without special tokens, and the BOS id if this tokenizer adds one."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    with_specials = tokenizer("a", add_special_tokens=True).input_ids
+    bos = tokenizer.bos_token_id
+    return ids, bos if bos is not None and with_specials[0] == bos else None
+
+
+async def stream_one(client, model: str | None, prompt: list[int] | str, max_tokens: int,
+                     cache_salt: str | None = None) -> tuple[float, list[float], float, int]:
+    """One streamed greedy completion: (TTFT, inter-chunk gaps, latency, output tokens)."""
+    start = time.perf_counter()
+    chunk_times, num_tokens = [], 0
+    salt = {"cache_salt": cache_salt} if cache_salt else {}
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True} | salt)
+    async for chunk in stream:
+        if chunk.choices:
+            chunk_times.append(time.perf_counter())
+        if chunk.usage:
+            num_tokens = chunk.usage.completion_tokens
+    gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+    return chunk_times[0] - start, gaps, chunk_times[-1] - start, num_tokens

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from nanoengine.attention.torch_backend import quantize
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
+from nanoengine.quantization import quantize
 from nanoengine.utils.cpu_info import cpu_model
 
 SHAPES = {  # name: (out_features, in_features)

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import text_tokens
 from nanoengine import LLM, SamplingParams
 from nanoengine.platforms.cpu.build import cpu_arch
 
@@ -145,7 +146,6 @@ def llamacpp_perplexities(model: str, n_ctx: int, text: Path) -> tuple[list[dict
     """llama.cpp's perplexity with each file, and whether it tokenizes the text as our tokenizer does."""
     from transformers import AutoTokenizer
 
-    from benchmarks.quality import text_tokens
 
     if not tools().is_dir():
         return [], "llama.cpp left out: run `make llamacpp` to build it"

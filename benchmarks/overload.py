@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 
-from benchmarks.common import Workload, make_requests, percentile
+from benchmarks.common import Workload, make_requests, percentile, stream_one
 
 OVERLOAD_FACTOR = 4  # arrivals per second, as a multiple of the saturated load's finished requests per second
 OVERLOAD_SECONDS = 30  # of arrivals
@@ -22,7 +22,6 @@ async def run_overload(url: str, workload: Workload, capacity_rps: float, seed: 
     decide how many)."""
     from openai import APIError, AsyncOpenAI, RateLimitError
 
-    from benchmarks.serve import stream_one
 
     rate = OVERLOAD_FACTOR * capacity_rps
     count = max(1, round(rate * OVERLOAD_SECONDS))

@@ -12,6 +12,7 @@ tokens; ours comes from the engine's ``prompt_logprobs``.
 import math
 from pathlib import Path
 
+from benchmarks.common import text_tokens
 from nanoengine import LLM, SamplingParams
 
 TEXT = Path(__file__).parent.parent / "tests" / "fixtures" / "alice_chapters_1_2.txt"
@@ -39,14 +40,6 @@ def scored_positions(n_ctx: int) -> range:
 def windows(tokens: list[int], n_ctx: int, bos: int | None) -> list[list[int]]:
     cut = [tokens[start:start + n_ctx] for start in window_starts(len(tokens), n_ctx)]
     return [[bos] + window[1:] for window in cut] if bos is not None else cut
-
-
-def text_tokens(tokenizer, text: str) -> tuple[list[int], int | None]:
-    """The text's token ids without special tokens, and the BOS id if this tokenizer adds one."""
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    with_specials = tokenizer("a", add_special_tokens=True).input_ids
-    bos = tokenizer.bos_token_id
-    return ids, bos if bos is not None and with_specials[0] == bos else None
 
 
 def engine_nlls(llm: LLM, tokens: list[int], n_ctx: int, bos: int | None = None) -> list[float]:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import Workload, device_name, make_requests, model_for, on_gpu, percentile
+from benchmarks.common import Workload, device_name, make_requests, model_for, on_gpu, percentile, stream_one
 from benchmarks.overload import print_overload_lines, run_overload
 from benchmarks.peers import VLLM_PYTHON, vllm_env
 
@@ -138,24 +138,6 @@ async def send_load(client, workload: Workload, rate: float, max_concurrency: in
         await asyncio.sleep(arrivals.expovariate(rate) if rate != float("inf") else 0)
     results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - start
-
-
-async def stream_one(client, model: str | None, prompt: list[int] | str, max_tokens: int,
-                     cache_salt: str | None = None) -> tuple[float, list[float], float, int]:
-    """One streamed greedy completion: (TTFT, inter-chunk gaps, latency, output tokens)."""
-    start = time.perf_counter()
-    chunk_times, num_tokens = [], 0
-    salt = {"cache_salt": cache_salt} if cache_salt else {}
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True} | salt)
-    async for chunk in stream:
-        if chunk.choices:
-            chunk_times.append(time.perf_counter())
-        if chunk.usage:
-            num_tokens = chunk.usage.completion_tokens
-    gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-    return chunk_times[0] - start, gaps, chunk_times[-1] - start, num_tokens
 
 
 async def shared_system_prompt_twice(url: str) -> dict:

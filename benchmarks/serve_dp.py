@@ -15,8 +15,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import device_name, model_for, on_gpu, percentile
-from benchmarks.serve import running_server, stream_one
+from benchmarks.common import device_name, model_for, on_gpu, percentile, stream_one
+from benchmarks.serve import running_server
 
 TENANTS, SYSTEM_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 8, 256, 16, 8
 BLOCKS_PER_CORE = 80  # 16 blocks per system prompt: five tenants' prompts, or four and the running requests' own

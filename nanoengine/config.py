@@ -17,7 +17,8 @@ POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("xxhash", "sha256")  # the prefix cache's block hash (engine/block_manager.py)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 KV_CACHE_DTYPES = ("auto", "int8")
-ROUTINGS = ("prefix", "least-loaded", "round-robin")  # how the server picks an engine core for a request
+NODE_LOCAL_OPTIONS = {"model", "tokenizer", "node_rank", "master_addr", "master_port", "trace"}
+CACHE_SIZE_OPTIONS = {"num_kvcache_blocks", "gpu_memory_utilization", "cpu_kvcache_space_gib"}
 DEFAULT_MAX_NUM_SEQS = 256
 # A step's token budget when none is given: vLLM's for its LLM class. On the CPU its smaller steps are also the
 # faster (the matmul kernels lose speed at 8192 rows; docs/cpu.md has the figures).
@@ -54,12 +55,6 @@ class EngineConfig:
     node_rank: int = 0  # this node's index; nodes 1.. run workers only (`nanoengine serve --headless`)
     master_addr: str = "127.0.0.1"  # where the head listens for the other ranks
     master_port: int = 0  # 0 = a free port (one node only)
-    # Data parallelism (nanoengine serve only): engine cores behind one server, each with its own KV cache.
-    data_parallel_size: int = 1
-    data_parallel_size_local: int | None = None  # of them, started by the server itself (None = all)
-    data_parallel_rank: int = 0  # the rank of a --headless core
-    data_parallel_address: str | None = None  # HOST:PORT where the server meets the cores of other nodes
-    data_parallel_routing: str = "prefix"  # "prefix" (longest cached prefix, then load), "least-loaded", ...
     max_logprobs: int = 20  # the most logprobs (or prompt_logprobs) a request may ask for, as in vLLM
     trace: bool = False  # log what the scheduler decided each step (logger "nanoengine.trace")
     generation_config: str = "auto"  # sampling defaults from: "auto" the model, "vllm" none, or a folder
@@ -121,7 +116,6 @@ class EngineConfig:
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.check_tensor_parallel()
-        self.check_data_parallel()
         self.speculative = None if self.speculative_config is None else SpeculativeConfig.of(self.speculative_config)
         check_quantization(self.quantization, self.device, self.attention_backend)
         if (is_gguf(self.model) or self.quantization == "int4") and (self.device != "cpu" or
@@ -185,12 +179,14 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size={size} over {self.nnodes} node(s) needs "
                                  f"{self.ranks_per_node} GPUs per node, found {torch.cuda.device_count()}")
 
-    def group_options(self) -> dict:
-        """What every rank of a tensor-parallel group must agree on: the options (less where a node finds the
-        model and the head) and the model's config.json."""
-        node_local = {"model", "tokenizer", "node_rank", "master_addr", "master_port"}
-        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in node_local}
-        return options | {"config.json": {k: v for k, v in self.hf_config.to_dict().items() if k != "_name_or_path"}}
+    def agreed_options(self, group: str) -> dict:
+        """What every member of a group must agree on: the model's config.json and every option but where a node
+        finds its files, meets its group and logs. The ranks of a "tensor parallel" group hold one KV cache
+        between them, so they agree on its size too; the cores of a "data parallel" server each size their own."""
+        local = NODE_LOCAL_OPTIONS | (CACHE_SIZE_OPTIONS if group == "data parallel" else set())
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in local}
+        model = {k: v for k, v in self.hf_config.to_dict().items() if k[0] != "_" and k != "transformers_version"}
+        return options | {"config.json": model}
 
     @property
     def ranks_per_node(self) -> int:
@@ -202,29 +198,6 @@ class EngineConfig:
         if rank is not None and self.tensor_parallel_size > 1:
             return [rank]
         return list(range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node))
-
-    def check_data_parallel(self) -> None:
-        size = self.data_parallel_size
-        check_number("data_parallel_size", size, int, low=1)
-        if self.data_parallel_size_local is None:
-            self.data_parallel_size_local = size if self.data_parallel_address is None else 1
-        check_number("data_parallel_size_local", self.data_parallel_size_local, int, low=0, high=size)
-        check_number("data_parallel_rank", self.data_parallel_rank, int, low=0, high=size - 1)
-        num_gpus = self.data_parallel_size_local * self.tensor_parallel_size
-        if self.device.startswith("cuda") and self.data_parallel_size_local > 1 and (
-                self.device != "cuda" or torch.cuda.device_count() < num_gpus):
-            raise ValueError(f"{self.data_parallel_size_local} local engine cores of tensor_parallel_size="
-                             f"{self.tensor_parallel_size} need device 'cuda' and {num_gpus} GPUs (core r runs on "
-                             f"GPUs r * TP and up), found {torch.cuda.device_count()}")
-        if self.data_parallel_routing not in ROUTINGS:
-            raise ValueError(f"data_parallel_routing must be one of {ROUTINGS}, got {self.data_parallel_routing!r}")
-        if self.data_parallel_address is not None:
-            host, _, port = str(self.data_parallel_address).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"data_parallel_address must be HOST:PORT, got {self.data_parallel_address!r}")
-        elif self.data_parallel_size_local < size:
-            raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local} < data_parallel_size="
-                             f"{size}: the other cores join at data_parallel_address, which is not set")
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -303,8 +276,8 @@ def check_quantization(name: str | None, device: str, attention_backend: str) ->
 
 def check_kv_cache_dtype(name: str) -> None:
     if isinstance(name, str) and name.startswith("fp8"):
-        raise ValueError(f"kv_cache_dtype={name!r} is not offered: an fp8 (e4m3) cache with a scale per token and "
-                         "KV head raised SmolLM2's perplexity by 1.10%, an int8 cache by 0.09%; pass "
+        raise ValueError(f"kv_cache_dtype={name!r} is not offered: an fp8 cache misses the accuracy target that an "
+                         "int8 cache meets (docs/kv-cache-quantization.md has the perplexities); pass "
                          "kv_cache_dtype='int8' (or 'auto', the model's dtype)")
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")

@@ -14,11 +14,11 @@ from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str, **options):
-        self.config = EngineConfig.from_options(model, options)
-        if self.config.data_parallel_size > 1:
-            raise ValueError(f"LLM(data_parallel_size={self.config.data_parallel_size}): LLM runs one engine in "
+        if "data_parallel_size" in options:
+            raise ValueError(f"LLM(data_parallel_size={options['data_parallel_size']}): LLM runs one engine in "
                              f"this process; for data parallelism run `nanoengine serve --data-parallel-size N`, "
                              f"or one LLM per process, each on its share of the prompts")
+        self.config = EngineConfig.from_options(model, options)
         self.llm_engine = LLMEngine(self.config)
         self.request_counter = count()
         self.generation_defaults = self.config.default_sampling_params()

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from nanoengine.attention import torch_backend  # noqa: E402
 from nanoengine.platforms.cpu.build import load_cpu_kernels  # noqa: E402
+from nanoengine.quantization import quantize  # noqa: E402
 from nanoengine.utils.cpu_info import cpu_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -32,7 +32,7 @@ def caches(num_tokens: int, num_kv_heads: int, head_dim: int, quantized: bool) -
     k, v = torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16)
     if not quantized:
         return [k, v, torch.empty(0), torch.empty(0)]
-    (k, k_scale), (v, v_scale) = torch_backend.quantize(k), torch_backend.quantize(v)
+    (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
     return [k, v, k_scale, v_scale]
 
 

@@ -23,7 +23,8 @@ from nanoengine.config import EngineConfig
 from nanoengine.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanoengine.serve.cli import serve
-from nanoengine.serve.client import MAX_HANDSHAKES, EngineCoreClient
+from nanoengine.serve.client import EngineCoreClient
+from nanoengine.serve.cluster.handshake import MAX_HANDSHAKES
 from nanoengine.serve.codec import (
     NONCE_BYTES,
     TO_CORE,
@@ -37,11 +38,13 @@ from nanoengine.serve.codec import (
     Hello,
     Proof,
     Ready,
+    fingerprint,
     mac,
+    max_frame_bytes,
     new_nonce,
     proves,
 )
-from nanoengine.serve.engine_core import fingerprint
+from nanoengine.serve.config import ServerConfig
 
 DROPPED = "nanoengine:engine_core_frames_dropped_total"
 KEY = "a-test-cluster-key-of-32-bytes.."
@@ -171,16 +174,16 @@ def test_a_peer_with_a_wrong_key_is_refused_and_the_server_serves_on(cluster_ser
 
 def test_an_admitted_core_may_send_only_what_its_state_expects(sharp_tiny_model):
     """The front in this process, with no local core; the test plays a remote core that holds the key."""
-    config = EngineConfig(sharp_tiny_model[0], max_model_len=256, data_parallel_address=f"127.0.0.1:{free_port()}",
-                          data_parallel_size_local=0)
+    config = EngineConfig(sharp_tiny_model[0], max_model_len=256)
+    server = ServerConfig(data_parallel_address=f"127.0.0.1:{free_port()}", data_parallel_size_local=0).check(config)
     key, front, codec = KEY.encode(), Codec(TO_FRONT), Codec(TO_CORE)
     stats = EngineStats(10, 10, 0, 0, 0, 0, 0, 0)
 
     async def scenario():
-        client = EngineCoreClient(config, lambda rank, stats: None, key)
+        client = EngineCoreClient(config, server, lambda rank, stats: None, key)
         started = asyncio.ensure_future(client.start())
         core = client.context.socket(zmq.DEALER)
-        core.connect(f"tcp://{config.data_parallel_address}")
+        core.connect(f"tcp://{server.data_parallel_address}")
         hello = Hello(0, fingerprint(config), new_nonce())
         await core.send(front.encode(hello))
         challenge = codec.decode(await core.recv_multipart())
@@ -195,12 +198,12 @@ def test_an_admitted_core_may_send_only_what_its_state_expects(sharp_tiny_model)
         await core.send(front.encode(EngineCoreOutputs([], stats)))
         for _ in range(3 * MAX_HANDSHAKES):  # a flood of hellos from peers that never prove the key
             flooder = client.context.socket(zmq.DEALER)
-            flooder.connect(f"tcp://{config.data_parallel_address}")
+            flooder.connect(f"tcp://{server.data_parallel_address}")
             await flooder.send(front.encode(Hello(0, {}, new_nonce())))
             assert isinstance(codec.decode([await asyncio.wait_for(flooder.recv(), 30)]), Challenge)
         await asyncio.sleep(0.5)
         try:
-            return max_model_len, client.dropped_frames, client.health(), len(client.handshakes)
+            return max_model_len, client.doorkeeper.dropped_frames, client.health(), len(client.doorkeeper.handshakes)
         finally:
             client.close()
             await asyncio.gather(client.reader, return_exceptions=True)  # its cancellation, awaited
@@ -208,6 +211,44 @@ def test_an_admitted_core_may_send_only_what_its_state_expects(sharp_tiny_model)
     max_model_len, dropped, health, handshakes = asyncio.run(scenario())
     assert max_model_len == 256 and dropped == 4 and handshakes == MAX_HANDSHAKES
     assert [(engine["state"], engine["num_requests"]) for engine in health] == [("ready", 0)]
+
+
+def test_a_frame_over_the_cap_costs_its_peer_the_connection_and_is_counted_as_dropped(sharp_tiny_model, caplog):
+    """ZMQ's MAXMSGSIZE: the front never holds a frame larger than a margin over the largest legal one."""
+    config = EngineConfig(sharp_tiny_model[0], max_model_len=256, max_num_batched_tokens=256, max_logprobs=0)
+    server = ServerConfig(data_parallel_address=f"127.0.0.1:{free_port()}", data_parallel_size_local=0).check(config)
+    cap = max_frame_bytes(config)
+
+    async def scenario():
+        client = EngineCoreClient(config, server, lambda rank, stats: None, KEY.encode())
+        started = asyncio.ensure_future(client.start())
+        rogue = client.context.socket(zmq.DEALER)
+        cut = rogue.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        rogue.connect(f"tcp://{server.data_parallel_address}")
+        await rogue.send(b"\x00" * (cap + 1))
+        await asyncio.wait_for(cut.recv_multipart(), 30)  # the front cut the connection
+        dropped_for_size = await wait_until(lambda: client.doorkeeper.dropped_frames == 1)
+        await rogue.send(b"\x00" * 16)  # reconnected, under the cap: read, and dropped as undecodable
+        dropped_after = await wait_until(lambda: client.doorkeeper.dropped_frames == 2)
+        try:
+            return dropped_for_size, dropped_after, started.done(), client.health()
+        finally:
+            client.close()
+            started.cancel()
+            await asyncio.gather(client.reader, started, return_exceptions=True)
+
+    async def wait_until(condition, timeout_s: float = 30) -> bool:
+        for _ in range(int(timeout_s / 0.05)):
+            if condition():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    dropped_for_size, dropped_after, started, health = asyncio.run(scenario())
+    assert dropped_for_size and dropped_after and not started
+    assert [engine["state"] for engine in health] == ["starting"]  # rank 0 is still free for a real core
+    assert f"over the {cap}-byte cap" in caplog.text
+    assert 1 << 20 < cap < 1 << 30
 
 
 def test_the_codec_carries_requests_and_outputs_exactly_and_builds_nothing_else():

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from nanoengine.cli import main
 from nanoengine.platforms.cpu import build
-from nanoengine.serve.cli import main
 from nanoengine.utils.cpu_info import cpu_flags
 
 
@@ -86,7 +86,7 @@ def test_cpu_info_reports_every_kernel_active_in_the_vector_section_of_the_build
 
 def test_cpu_info_without_a_compiler_exits_0_with_every_kernel_off(tmp_path):
     env = {"NANOENGINE_CACHE": str(tmp_path), "CXX": "/bin/false", "PATH": "/usr/bin:/bin"}
-    command = "import sys; from nanoengine.serve.cli import main; sys.exit(main(['cpu-info', '--json']))"
+    command = "import sys; from nanoengine.cli import main; sys.exit(main(['cpu-info', '--json']))"
     done = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)

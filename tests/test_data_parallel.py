@@ -17,8 +17,9 @@ from test_server import alive, descendants, wait_for
 from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
+from nanoengine.serve.cluster.router import CoreLoad, Router, prompt_hashes
+from nanoengine.serve.config import ServerConfig
 from nanoengine.serve.engine_core import pin_gpus
-from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
 
 MAX_MODEL_LEN = 512
 FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--data-parallel-size", "2")
@@ -252,24 +253,25 @@ def test_a_core_remembers_no_more_hashes_than_its_kv_cache_holds():
 
 def test_data_parallel_options_are_checked_and_offline_data_parallelism_is_refused(sharp_tiny_model):
     folder = sharp_tiny_model[0]
+    config = EngineConfig(folder)
     with pytest.raises(ValueError, match="data_parallel_address, which is not set"):
-        EngineConfig(folder, data_parallel_size=2, data_parallel_size_local=1)
+        ServerConfig(data_parallel_size=2, data_parallel_size_local=1).check(config)
     with pytest.raises(ValueError, match="data_parallel_address must be HOST:PORT"):
-        EngineConfig(folder, data_parallel_address="nohost")
+        ServerConfig(data_parallel_address="nohost").check(config)
     with pytest.raises(ValueError, match="data_parallel_rank must be in"):
-        EngineConfig(folder, data_parallel_size=2, data_parallel_rank=2)
+        ServerConfig(data_parallel_size=2, data_parallel_rank=2).check(config)
     with pytest.raises(ValueError, match="data_parallel_routing"):
-        EngineConfig(folder, data_parallel_routing="random")
+        ServerConfig(data_parallel_routing="random").check(config)
     with pytest.raises(ValueError, match="nanoengine serve --data-parallel-size"):
         LLM(folder, data_parallel_size=2)
 
 
 def test_each_local_core_sees_only_its_own_gpus(sharp_tiny_model, monkeypatch):
     config = EngineConfig(sharp_tiny_model[0])
-    config.tensor_parallel_size, config.data_parallel_size_local = 2, 2  # as two local cores of TP=2 have them
+    config.tensor_parallel_size = 2  # as two local cores of TP=2 have it
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    pin_gpus(config, 1)
+    pin_gpus(config, 1, num_local_cores=2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    pin_gpus(config, 1)
+    pin_gpus(config, 1, num_local_cores=2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"

@@ -85,3 +85,20 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist():
             elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_page_that_tells_of_a_dead_core_says_what_supervision_does():
+    """serving.md and design.md once said a dead core is never restarted, long after operations.md described
+    its restarts: each page that tells of a dead core must name --max-core-restarts and never deny a restart."""
+    denials = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = re.sub(r"\s+", " ", page.read_text())
+        if not re.search(r"\bdead (local |remote )?(engine )?core", text):
+            continue
+        if "--max-core-restarts" not in text:
+            denials.append(f"{page.name}: tells of a dead core, but not of --max-core-restarts")
+        for sentence in re.split(r"(?<=[.;:])\s", text):
+            denies = re.search(r"\b(not|never)\b[^.;:]*\brestart", sentence) and "core" in sentence
+            if denies and "--max-core-restarts 0" not in sentence:
+                denials.append(f"{page.name}: {sentence.strip()}")
+    assert not denials, "\n".join(denials)

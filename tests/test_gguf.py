@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.attention.torch_backend import quantize as quantize_int8
 from nanoengine.models.llama import head_dim_of
 from nanoengine.platforms.cpu.quantize import dequantize_int4, pack_int4
+from nanoengine.quantization import quantize as quantize_int8
 from nanoengine.utils.default_model import find_gguf
 from nanoengine.utils.gguf_file import four_bit
 

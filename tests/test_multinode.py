@@ -15,7 +15,8 @@ from conftest import build_tiny_model
 from test_tensor_parallel import GREEDY, PROMPTS, SMALL_ENGINE, raised_within
 
 from nanoengine import LLM, distributed
-from nanoengine.serve.cli import serve, warn_unless_private
+from nanoengine.serve.cli import serve
+from nanoengine.serve.cluster.nodes import warn_unless_private
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

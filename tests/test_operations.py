@@ -19,8 +19,8 @@ import httpx
 from test_server import alive, descendants, metric, wait_for
 
 from benchmarks.serve import running_server, server_process
-from nanoengine.serve.admission import Admission, AdmissionLimits
-from nanoengine.serve.limits import REPEATS_LOGGED, RepeatFilter
+from nanoengine.serve.cluster.admission import AdmissionControl, AdmissionLimits
+from nanoengine.serve.cluster.limits import REPEATS_LOGGED, RepeatFilter
 
 TINY = ("--max-model-len", "512")
 
@@ -177,7 +177,7 @@ def test_the_repeat_filter_logs_a_few_of_a_kind_then_says_how_many_it_left_out(m
     import logging
 
     clock = [0.0]
-    monkeypatch.setattr("nanoengine.serve.limits.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("nanoengine.serve.cluster.limits.time.monotonic", lambda: clock[0])
     repeats = RepeatFilter()
     record = logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "accept failed", None, None)
     other = logging.LogRecord("asyncio", logging.ERROR, "x.py", 2, "something else", None, None)
@@ -188,7 +188,7 @@ def test_the_repeat_filter_logs_a_few_of_a_kind_then_says_how_many_it_left_out(m
 
 
 def test_admission_counts_waiting_requests_and_tokens_until_their_first_token():
-    admission = Admission(AdmissionLimits(max_waiting_requests=2, max_waiting_tokens=100, max_queue_seconds=0))
+    admission = AdmissionControl(AdmissionLimits(max_waiting_requests=2, max_waiting_tokens=100, max_queue_seconds=0))
     first, second = admission.enter(), admission.enter()
     assert admission.add_tokens(first, 150) is None  # alone in the queue: taken whatever its length
     assert "--max-waiting-tokens 100" in admission.add_tokens(second, 10)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.serve.cli import main
+from nanoengine.cli import main
 
 ROOT = Path(__file__).parents[1]
 SYSTEM = "You answer questions about the ACME support desk, politely and in one short paragraph. " * 3
@@ -109,7 +109,7 @@ def test_a_date_before_the_shared_system_prompt_is_where_reuse_breaks(folder, tm
 def test_module_prints_a_table_and_plots_the_hit_rate(folder, tmp_path):
     path = write_lines(tmp_path / "requests.jsonl", MIXED)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "nanoengine.serve.prefix_report", path, "--model", folder, "--plot",
+    done = subprocess.run([sys.executable, "-m", "nanoengine.tools.prefix_report", path, "--model", folder, "--plot",
                            str(tmp_path / "rate.png")], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "prompt tokens cached" in done.stdout and "lies most often in messages[1] (user)" in done.stdout

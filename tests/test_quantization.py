@@ -12,7 +12,6 @@ from conftest import build_tiny_model
 from safetensors.torch import load_file, save_file
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.attention.torch_backend import quantize
 from nanoengine.engine.arg_utils import EngineArgs
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
@@ -21,6 +20,7 @@ from nanoengine.platforms.cpu import linear as linear_module
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
 from nanoengine.platforms.cpu.quantize import dequantize, dequantize_int4, quantize_int4, quantize_linear_layers
+from nanoengine.quantization import quantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]

@@ -288,6 +288,35 @@ def test_killing_the_engine_core_or_a_rank_fails_requests_naming_it_and_exits_le
     wait_for(lambda: not any(alive(pid) for pid in family), "every process to end")
 
 
+def test_a_core_silent_past_the_heartbeat_fails_its_requests_at_once_is_not_ready_and_is_restarted(
+        sharp_tiny_model):
+    """A stopped core (SIGSTOP; swapping does the same) loses its heartbeat after 5 s. It counts as dead: its
+    stream ends with a 503 instead of hanging, /ready says no core is ready, and it is killed and started
+    again. (Before, it reconnected after SIGCONT under an identity the front ignored: requests hung for good.)"""
+    body = {"prompt": "Go on and on", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with running_server(sharp_tiny_model[0], "--max-model-len", "512") as (_, url):
+        [core] = httpx.get(f"{url}/health").json()["engines"]
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            events.append(next(line for line in lines if line.startswith("data: ")))
+            os.kill(core["pid"], signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            events += [line for line in lines if line.startswith("data: ")]
+            failed_after = time.monotonic() - stopped_at
+        ready = httpx.get(f"{url}/ready")
+        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, "the core to be started again",
+                 timeout_s=120)
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        [restarted] = httpx.get(f"{url}/health").json()["engines"]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and f"pid {core['pid']}) was silent for more than 5 s" in error["message"]
+    assert events[-1] == "data: [DONE]" and 5 <= failed_after < 20
+    assert ready.status_code == 503 and "no engine core is ready" in ready.json()["why"]
+    assert not alive(core["pid"]) and restarted["pid"] != core["pid"] and restarted["state"] == "ready"
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+
+
 def test_the_engine_core_exits_when_the_front_process_dies_and_removes_its_sockets(sharp_tiny_model, tmp_path,
                                                                                     monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the front makes its socket folder

@@ -3,6 +3,7 @@ calls (named, required) through structured outputs, "auto" through the hermes pa
 
 import json
 import shutil
+from types import SimpleNamespace
 from typing import Literal
 
 import httpx
@@ -19,7 +20,8 @@ from transformers import AutoTokenizer
 from benchmarks.serve import running_server
 from nanoengine.config import EngineConfig
 from nanoengine.engine.processor import Processor
-from nanoengine.serve.api_server import APIError, OpenAIServer
+from nanoengine.serve.errors import APIError
+from nanoengine.serve.pipeline import OpenAIServer
 from nanoengine.serve.protocol import ChatCompletionRequest, Tool
 from nanoengine.serve.tools import HermesCalls, RequiredCalls, calls_schema, merged
 
@@ -276,9 +278,9 @@ def test_auto_with_a_template_that_does_not_render_tools_is_a_400(sharp_tiny_mod
     """SmolLM2's template drops tools: under "auto" the model would never see them. A named call needs no
     template: its grammar holds the function's schema."""
     def prompt(folder, tool_choice):
-        front = OpenAIServer(None, Processor(EngineConfig(folder)), ["m"], None, "hermes")
+        front = OpenAIServer(SimpleNamespace(unavailable=None), Processor(EngineConfig(folder)), ["m"], None, "hermes")
         body = ChatCompletionRequest(messages=ASK, tools=[WEATHER], tool_choice=tool_choice)
-        return front.chat_prompt(body, front.tool_use(body))
+        return front.prepare(body).requests[0].prompt_token_ids
 
     with pytest.raises(APIError, match="does not render tools") as refused:
         prompt(sharp_tiny_model[0], "auto")

@@ -1,6 +1,7 @@
 """Paged attention in plain torch: the oracle. Short and obviously correct, not fast.
 
-Every other backend (``cpu_backend``, ``triton_backend``) is tested against it.
+Every other backend (``triton_backend``, and the CPU platform's ``CpuBackend`` in platforms/cpu/attention.py) is
+tested against it.
 
 Cache layout, per layer: ``k_cache`` and ``v_cache`` are
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``t`` of a request
@@ -15,6 +16,7 @@ is read back as q * s. The scales are empty tensors for a cache in the model's d
 import torch
 
 from nanoengine.attention.metadata import AttentionMetadata
+from nanoengine.quantization import quantize
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -29,16 +31,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             x, token_scales = quantize(x)
             scales.view(-1, scales.shape[-1])[slot_mapping] = token_scales
         cache.view(-1, *cache.shape[2:])[slot_mapping] = x
-
-
-def quantize(x: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each vector of ``x``'s last dimension as int8 and its float32 scale absmax / 127, rounded half to even;
-    an all-zero vector gets scale 0 and zeros. ``absmax``: each vector's largest magnitude, where it is not
-    this one's own (a row-parallel shard of a weight's rows). The int8 KV cache and int8 weights share it."""
-    x = x.float()
-    scales = (x.abs().amax(dim=-1) if absmax is None else absmax) / 127
-    divisors = torch.where(scales > 0, scales, 1)[..., None]  # a zero vector divided by 1 stays zero
-    return torch.round(x / divisors).clamp(-127, 127).to(torch.int8), scales
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,

@@ -13,8 +13,8 @@ device, the key range is split across programs; each writes a partial (max, sum,
 small second kernel merges them.
 
 An int8 cache (``kv_cache_dtype="int8"``, the layout of torch_backend's docstring): the store kernel quantizes
-each token's head vector as torch_backend.quantize does, and the attention kernel dequantizes each K and V tile
-(int8 widened, times its tokens' scales) into q's dtype before its dot products.
+each token's head vector as quantization.py's quantize does, and the attention kernel dequantizes each K
+and V tile (int8 widened, times its tokens' scales) into q's dtype before its dot products.
 
 Grid planning reads only host values (shapes and the metadata's host lists), never device tensors.
 """
@@ -41,7 +41,7 @@ ROUNDING_SHIFT = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + this - this rounds
 
 @triton.jit
 def _quantized(x):
-    """x (one head vector) as torch_backend.quantize makes it: int8 values round(x / s) and s = absmax / 127."""
+    """x (one head vector) as quantization.py's quantize makes it: int8 round(x / s), s = absmax / 127."""
     x = x.to(tl.float32)
     scale = tl.max(tl.abs(x), axis=0) / 127.0
     quotient = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0) + tl.zeros_like(x))  # IEEE division, as torch's

@@ -94,8 +94,8 @@ class AcceptanceRate:
 
 class DraftLength:
     """One request's adaptive draft length (see the module docstring); ``prior``: the acceptance it starts
-    from, the engine's recent rate over all requests (a fixed 0.5 once kept a whole batch from ever drafting
-    where the step cost asked for 0.54)."""
+    from, the engine's recent rate over all requests (a fixed prior can sit below what the step cost asks
+    for, and then no request ever drafts)."""
 
     def __init__(self, max_length: int, prior: float = 0.5):
         self.max_length = max_length

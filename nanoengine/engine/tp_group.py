@@ -44,7 +44,7 @@ class WorkerGroup:
         store = connect_store(config.master_addr, config.master_port, 0, world_size)
         self.health = GroupHealth(store, worker.start_workers(config, config.node_ranks()[1:], store.port), world_size)
         try:
-            self.health.wait_until_started(config.group_options())
+            self.health.wait_until_started(config.agreed_options("tensor parallel"))
             self.control_group = init_group(store, 0, world_size,
                                             rank_device(config.device, 0, world_size, config.ranks_per_node))
             self.health.watch()

@@ -156,7 +156,8 @@ def run_worker(config: EngineConfig, rank: int, port: int) -> None:
     """Join the group, build this rank's shard, run every step rank 0 sends until None."""
     world_size = config.tensor_parallel_size
     store = connect_store(config.master_addr, port, rank, world_size)
-    store.set(options_key(rank), json.dumps(config.group_options()))  # rank 0 checks them before going on
+    # Rank 0 checks them before going on.
+    store.set(options_key(rank), json.dumps(config.agreed_options("tensor parallel")))
     stopping = threading.Event()
     threading.Thread(target=send_heartbeats, args=(another_client(store), rank, stopping), daemon=True,
                      name="nanoengine-heartbeat").start()

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible server: an HTTP front process and an engine-core process, joined by ZMQ.
+"""The OpenAI-compatible server: ``nanoengine serve [MODEL] --port 8000`` (or ``python -m nanoengine.serve``).
 
-    nanoengine serve [MODEL] --port 8000     (or: python -m nanoengine.serve ...)
-
-cli.py starts it, api_server.py holds the routes, client.py the front's side of the transport,
-engine_core.py the engine's process, protocol.py the request bodies, metrics.py /metrics.
+A learner reads, in order: cli.py (start it), api_server.py (the routes), protocol.py (the bodies),
+pipeline.py (body -> engine requests -> one transport), render.py and responses.py (the replies), tools.py
+(tool calls), client.py (the front's handle on its cores), engine_core.py (the core's process), codec.py (the
+messages between them). config.py, errors.py and metrics.py hold what their names say. cluster/ is what an
+operator needs beyond one core (routing, restarts, the cluster key, admission and OS limits): skip it first.
 """

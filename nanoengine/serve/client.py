@@ -1,19 +1,11 @@
-"""The front process's handle on its engine cores: starts the local ones, admits the remote ones, routes each
-request to one core and each core's outputs to asyncio queues.
+"""The front process's handle on its engine cores: starts the local ones, routes each request to one core
+and each core's outputs to that request's asyncio queue (one reader task, so a slow client delays only
+its own queue).
 
-Every core talks to one ROUTER socket (ipc for the local cores, TCP at ``data_parallel_address`` for the
-``--headless`` ones). One reader task receives every message and puts each request's outputs on that
-request's queue, so a slow HTTP client only ever delays its own queue. A core dies when its process exits
-(the event loop watches each local core's sentinel) or when a remote core's connection drops (ZMQ's
-heartbeats notice a silent node within seconds). Its requests then get ``EngineUnavailableError`` at
-once and the other cores keep serving. A dead local core is started again under ``RestartPolicy``
-(supervisor.py); a remote one may join again under its rank. When no core is left and none will be
-restarted, or the policy gives up, ``dead`` or ``gave_up`` says why and ``on_death`` runs.
-
-The reader trusts no frame (codec.py has the protocol): a peer that has not proved the cluster key may only
-say hello and answer its challenge, an admitted core may only send what its state expects, and a frame that
-does not decode, or does not fit, is dropped and counted (``dropped_frames``; a log line at most every
-``DROP_LOG_INTERVAL_S``). Nothing else happens: the serving cores never notice.
+Every core talks to one ROUTER socket: ipc for the cores the front starts, TCP for ``--headless`` ones
+(cluster/: who may join, which core gets a request, when a dead one restarts). A core that dies (its
+process ends, or its connection drops: a remote core gone, a local one silent past the heartbeat) fails
+its requests at once with ``EngineUnavailableError``.
 """
 
 import asyncio
@@ -23,7 +15,6 @@ import multiprocessing
 import os
 import signal
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -34,11 +25,13 @@ from zmq.utils.monitor import parse_monitor_message
 from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import field_error
+from nanoengine.serve.cluster.handshake import Doorkeeper
+from nanoengine.serve.cluster.restart_policy import RestartPolicy
+from nanoengine.serve.cluster.router import CoreLoad, Router, prompt_hashes
 from nanoengine.serve.codec import (
+    HEARTBEAT_TIMEOUT_S,
     TO_FRONT,
     Abort,
-    Admission,
-    Challenge,
     Codec,
     EngineCoreFailed,
     EngineCoreOutputs,
@@ -46,18 +39,15 @@ from nanoengine.serve.codec import (
     Hello,
     Proof,
     Ready,
-    mac,
-    new_nonce,
-    proves,
+    cluster_socket,
+    max_frame_bytes,
 )
-from nanoengine.serve.engine_core import HEARTBEAT_MS, fingerprint, run_engine_core
-from nanoengine.serve.router import CoreLoad, Router, prompt_hashes
-from nanoengine.serve.supervisor import RestartPolicy
+from nanoengine.serve.config import ServerConfig
+from nanoengine.serve.engine_core import run_engine_core
 
 logger = logging.getLogger("nanoengine.serve")
 STOP_TIMEOUT_S = 30  # how long a stopping engine core may take to close before it is killed
-MAX_HANDSHAKES = 16  # peers between their hello and their proof; a newer one pushes out the oldest
-DROP_LOG_INTERVAL_S = 10.0
+EXIT_GRACE_S = 0.1  # a core whose process is ending anyway closes its connection first
 
 
 class EngineUnavailableError(RuntimeError):
@@ -65,17 +55,19 @@ class EngineUnavailableError(RuntimeError):
 
 
 @dataclass
-class EngineCore(CoreLoad):
+class CoreHandle(CoreLoad):
+    """The front's handle on one engine core."""
+
     process: multiprocessing.Process | None = None  # a local core's; None for a remote one
     identity: bytes | None = None  # its peer on the ROUTER socket, once it said hello
     connection: int | None = None  # that peer's file descriptor, which names it in disconnection events
     ready: bool = False
-    dead: str | None = None  # why it is gone, once it is
+    cause_of_death: str | None = None  # why it is gone, once it is
     restart_delay: float | None = None  # once dead: seconds until it is started again, if it will be
 
     @property
     def state(self) -> str:
-        if self.dead:
+        if self.cause_of_death:
             return "dead" if self.restart_delay is None else "restarting"
         return "ready" if self.ready else "starting"
 
@@ -85,50 +77,45 @@ class EngineCore(CoreLoad):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[int, EngineStats], None], cluster_key: bytes = b"",
-                 max_core_restarts: int = 0):
-        self.config, self.on_stats, self.cluster_key = config, on_stats, cluster_key
+    def __init__(self, config: EngineConfig, server: ServerConfig, on_stats: Callable[[int, EngineStats], None],
+                 cluster_key: bytes = b"", max_core_restarts: int = 0):
+        self.config, self.server, self.on_stats, self.cluster_key = config, server, on_stats, cluster_key
         self.on_death: Callable[[], None] = lambda: None
-        self.on_dropped_frame: Callable[[], None] = lambda: None
         self.on_core_up: Callable[[int, bool], None] = lambda rank, up: None
         self.codec = Codec(TO_FRONT)
-        self.handshakes: dict[bytes, tuple[Hello, bytes]] = {}  # peer -> its hello and the nonce it must sign
-        self.dropped_frames, self.next_drop_log = 0, 0.0
+        self.doorkeeper = Doorkeeper(config, cluster_key, self.codec)
         self.restarts = RestartPolicy(max_core_restarts)
         self.gave_up: str | None = None  # why the front stopped restarting its cores, once it did
         self.closing = False
         self.queues: dict[str, asyncio.Queue] = {}
-        self.router = Router(config.data_parallel_routing)
-        self.cores = [EngineCore(rank) for rank in range(config.data_parallel_size)]
-        self.expected = fingerprint(config)
+        self.router = Router(server.data_parallel_routing)
+        self.cores = [CoreHandle(rank) for rank in range(server.data_parallel_size)]
         self.all_ready: asyncio.Future | None = None
         self.reader: asyncio.Future | None = None  # the tasks that read the cores' messages and connections
         self.socket_dir = tempfile.TemporaryDirectory(prefix="nanoengine-")
         self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket = cluster_socket(self.context, zmq.ROUTER, config)
         self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        for option, value in HEARTBEAT_MS.items():
-            self.socket.setsockopt(option, value)
         self.local_address = f"ipc://{self.socket_dir.name}/engines"
         self.socket.bind(self.local_address)
-        if config.data_parallel_address is not None:
-            self.socket.bind(f"tcp://{config.data_parallel_address}")
-        for core in self.cores[:config.data_parallel_size_local]:
+        if server.data_parallel_address is not None:
+            self.socket.bind(f"tcp://{server.data_parallel_address}")
+        for core in self.cores[:server.data_parallel_size_local]:
             self.start_local(core)
 
-    def start_local(self, core: EngineCore) -> None:
+    def start_local(self, core: CoreHandle) -> None:
         spawn = multiprocessing.get_context("spawn")
-        core.process = spawn.Process(target=run_engine_core,
-                                     args=(self.config, self.local_address, core.rank, self.cluster_key),
-                                     name=f"nanoengine-core-{core.rank}")
+        core.process = spawn.Process(target=run_engine_core, name=f"nanoengine-core-{core.rank}",
+                                     args=(self.config, self.local_address, core.rank,
+                                           self.server.data_parallel_size_local, self.cluster_key))
         core.process.start()
         logger.info("engine core %d started (pid %d)", core.rank, core.process.pid)
 
     @property
-    def dead(self) -> str | None:
+    def unavailable(self) -> str | None:
         """Why no core can serve, once none can (or will again)."""
-        gone = all(core.dead and core.restart_delay is None for core in self.cores)
-        return "; ".join(core.dead for core in self.cores) if gone else None
+        gone = all(core.cause_of_death and core.restart_delay is None for core in self.cores)
+        return "; ".join(core.cause_of_death for core in self.cores) if gone else None
 
     async def start(self) -> int:
         """Wait until every core has loaded the model; returns the max_model_len that all of them take."""
@@ -137,9 +124,9 @@ class EngineCoreClient:
         for core in self.cores:
             if core.process is not None:
                 loop.add_reader(core.process.sentinel, self.core_exited, core)
-        if self.config.data_parallel_size_local < len(self.cores):
-            logger.info("waiting for engine cores %d..%d to join at tcp://%s", self.config.data_parallel_size_local,
-                        len(self.cores) - 1, self.config.data_parallel_address)
+        if self.server.data_parallel_size_local < len(self.cores):
+            logger.info("waiting for engine cores %d..%d to join at tcp://%s", self.server.data_parallel_size_local,
+                        len(self.cores) - 1, self.server.data_parallel_address)
         self.reader = asyncio.gather(self.read_messages(), self.watch_connections())
         return await self.all_ready
 
@@ -149,7 +136,7 @@ class EngineCoreClient:
             try:
                 message = self.codec.decode(frames)
             except ValueError as error:
-                self.drop(identity.bytes, str(error))
+                self.doorkeeper.drop(identity.bytes.hex(), str(error))
                 continue
             await self.dispatch(identity.bytes, message, frames[0].get(zmq.SRCFD))
 
@@ -157,12 +144,16 @@ class EngineCoreClient:
         """Act on a message that fits its sender's state; drop any other."""
         core = next((c for c in self.cores if c.identity == identity), None)
         if core is None and isinstance(message, Hello):
-            await self.challenge(identity, message)
-        elif core is None and isinstance(message, Proof) and identity in self.handshakes:
-            await self.admit(identity, message, connection)
+            await self.socket.send_multipart([identity, self.doorkeeper.challenge(identity, message)])
+        elif core is None and isinstance(message, Proof) and identity in self.doorkeeper.handshakes:
+            rank, reply = self.doorkeeper.admit(identity, message, self.cores)
+            if rank is not None:
+                core = self.cores[rank]
+                core.identity, core.connection, core.cause_of_death, core.ready = identity, connection, None, False
+            await self.socket.send_multipart([identity, reply])
         elif core is None:
-            self.drop(identity, f"a {type(message).__name__} from a peer that has not been admitted")
-        elif core.dead:
+            self.doorkeeper.drop(identity.hex(), f"a {type(message).__name__} from a peer that has not been admitted")
+        elif core.cause_of_death:
             return  # from a core declared dead meanwhile
         elif isinstance(message, EngineCoreFailed):
             self.core_died(core, f"{core.describe()} failed: {message.why}")
@@ -171,64 +162,33 @@ class EngineCoreClient:
         elif isinstance(message, EngineCoreOutputs) and core.ready:
             self.route_outputs(core, message)
         else:
-            self.drop(identity, f"a {type(message).__name__} from {core.describe()}, which is {core.state}")
-
-    def drop(self, identity: bytes, why: str) -> None:
-        self.dropped_frames += 1
-        self.on_dropped_frame()
-        now = time.monotonic()
-        if now >= self.next_drop_log:
-            self.next_drop_log = now + DROP_LOG_INTERVAL_S
-            logger.warning("dropped a frame from peer %s on the engine-core socket: %s (%d dropped so far)",
-                           identity.hex(), why, self.dropped_frames)
+            self.doorkeeper.drop(identity.hex(), f"a {type(message).__name__} from {core.describe()}, which is "
+                                                 f"{core.state}")
 
     async def watch_connections(self) -> None:
-        """A remote core whose connection drops (its process ended, or its node fell silent) is dead."""
+        """A core whose connection drops is dead; a peer not admitted that loses its connection is counted as a
+        dropped frame (ZMQ cuts off a peer that sends a frame over the cap)."""
         while True:
             event = parse_monitor_message(await self.disconnects.recv_multipart())
-            core = next((c for c in self.cores if c.connection == event["value"] and not c.dead), None)
-            if core is not None and core.process is None:
-                self.core_died(core, f"{core.describe()} disconnected")
+            core = next((c for c in self.cores if c.connection == event["value"] and not c.cause_of_death), None)
+            if core is not None:
+                self.connection_lost(core)
+            elif all(c.connection != event["value"] for c in self.cores):
+                self.doorkeeper.drop(f"fd {event['value']}", "its connection closed before it was admitted (it left, "
+                                     f"or sent a frame over the {max_frame_bytes(self.config)}-byte cap)")
 
-    async def challenge(self, identity: bytes, hello: Hello) -> None:
-        """Answer a hello with a nonce for the peer to sign with the cluster key."""
-        if len(self.handshakes) >= MAX_HANDSHAKES:
-            del self.handshakes[next(iter(self.handshakes))]
-        nonce = new_nonce()
-        self.handshakes[identity] = hello, nonce
-        await self.socket.send_multipart([identity, self.codec.encode(Challenge(nonce))])
+    def connection_lost(self, core: CoreHandle) -> None:
+        """A remote core is gone; a local one whose process still runs was silent past the heartbeat (stopped,
+        swapping): it counts as dead, and is killed (then restarted as after any death)."""
+        if core.process is None:
+            return self.core_died(core, f"{core.describe()} disconnected")
+        core.process.join(EXIT_GRACE_S)
+        if core.process.exitcode is None:
+            self.core_died(core, f"{core.describe()} was silent for more than {HEARTBEAT_TIMEOUT_S} s")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(core.process.pid, signal.SIGKILL)
 
-    async def admit(self, identity: bytes, proof: Proof, connection: int) -> None:
-        """Take a core that proved the cluster key under the rank it said hello with, or tell it why not."""
-        hello, nonce = self.handshakes.pop(identity)
-        if proves(self.cluster_key, proof.mac, "core", nonce, hello.nonce):
-            why = self.refusal(hello)
-        else:
-            why = "it did not prove the cluster key (is its key this server's?)"
-        if why is None:
-            core = self.cores[hello.rank]
-            core.identity, core.connection, core.dead, core.ready = identity, connection, None, False
-        else:
-            logger.warning("refused an engine core claiming rank %d: %s", hello.rank, why)
-        reply = Admission(why, mac(self.cluster_key, "front", hello.nonce, nonce) if why is None else b"")
-        await self.socket.send_multipart([identity, self.codec.encode(reply)])
-
-    def refusal(self, hello: Hello) -> str | None:
-        """Why a core that proved the key may not serve under the rank it claims, or None."""
-        core = self.cores[hello.rank] if 0 <= hello.rank < len(self.cores) else None
-        differences = [f"{name}={hello.fingerprint.get(name)!r} (this server: {value!r})"
-                       for name, value in self.expected.items() if hello.fingerprint.get(name) != value]
-        if core is None:
-            return f"rank {hello.rank} is outside this server's data_parallel_size={len(self.cores)}"
-        if differences:
-            return "it runs another model or config: " + "; ".join(differences)
-        if core.process is not None and core.identity is not None:
-            return f"rank {hello.rank} is one of this server's own local cores"
-        if core.identity is not None and not core.dead:
-            return f"rank {hello.rank} is already served by another engine core"
-        return None
-
-    def core_ready(self, core: EngineCore, ready: Ready) -> None:
+    def core_ready(self, core: CoreHandle, ready: Ready) -> None:
         core.ready, core.capacity = True, ready.num_kvcache_blocks
         self.config.max_model_len = min(self.config.max_model_len, ready.max_model_len)
         logger.info("engine core %d ready (%d KV-cache blocks)", core.rank, ready.num_kvcache_blocks)
@@ -236,7 +196,7 @@ class EngineCoreClient:
         if all(c.ready for c in self.cores) and not self.all_ready.done():
             self.all_ready.set_result(self.config.max_model_len)
 
-    def route_outputs(self, core: EngineCore, message: EngineCoreOutputs) -> None:
+    def route_outputs(self, core: CoreHandle, message: EngineCoreOutputs) -> None:
         for output in message.outputs:
             if output.request_id in self.queues:
                 self.queues[output.request_id].put_nowait(output)
@@ -246,34 +206,35 @@ class EngineCoreClient:
         core.num_running = message.stats.num_running
         self.on_stats(core.rank, message.stats)
 
-    def core_exited(self, core: EngineCore) -> None:
+    def core_exited(self, core: CoreHandle) -> None:
         asyncio.get_running_loop().remove_reader(core.process.sentinel)
         core.process.join()
         self.kill_process_group(core.process)
-        if not core.dead:  # else it said why before it exited
+        if not core.cause_of_death:  # else it said why before it exited
             self.core_died(core, f"{core.describe()} died with exit code {core.process.exitcode}")
         if core.restart_delay is not None:
             asyncio.get_running_loop().call_later(core.restart_delay, self.restart, core)
 
-    def restart(self, core: EngineCore) -> None:
+    def restart(self, core: CoreHandle) -> None:
         if self.closing or self.gave_up:
             return
-        core.identity = core.connection = core.restart_delay = core.dead = None
+        core.identity = core.connection = core.restart_delay = core.cause_of_death = None
         core.ready, core.num_running = False, 0
         self.start_local(core)
         asyncio.get_running_loop().add_reader(core.process.sentinel, self.core_exited, core)
 
-    def core_died(self, core: EngineCore, why: str) -> None:
+    def core_died(self, core: CoreHandle, why: str) -> None:
         if not self.all_ready.done():
             if core.process is None:  # a remote core lost while it loads: another may join under its rank
                 logger.warning("%s while starting; waiting for rank %d to join again", why, core.rank)
                 core.identity = None
             else:
-                core.dead = why
+                core.cause_of_death = why
                 self.all_ready.set_exception(RuntimeError(f"{why} while starting"))
             return
-        core.dead = why
-        logger.error("%s; %d of %d engine cores left", why, sum(not c.dead for c in self.cores), len(self.cores))
+        core.cause_of_death = why
+        num_left = sum(not c.cause_of_death for c in self.cores)
+        logger.error("%s; %d of %d engine cores left", why, num_left, len(self.cores))
         for request_id in core.request_ids:
             self.queues[request_id].put_nowait(EngineUnavailableError(why))
         core.recent_hashes.clear()
@@ -285,7 +246,7 @@ class EngineCoreClient:
                 logger.error("%s: giving up", self.gave_up)
                 return self.on_death()
             logger.warning("restarting engine core %d in %g s", core.rank, core.restart_delay)
-        if self.dead:
+        if self.unavailable:
             self.on_death()
 
     def fail_all(self, error: Exception) -> None:
@@ -295,9 +256,9 @@ class EngineCoreClient:
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The request's DELTA outputs (with the rank of the core that runs it) until it finishes; aborted in
         its engine core if abandoned early."""
-        live = [core for core in self.cores if core.ready and not core.dead]
+        live = [core for core in self.cores if core.ready and not core.cause_of_death]
         if not live:
-            raise EngineUnavailableError(self.dead or "no engine core is ready")
+            raise EngineUnavailableError(self.unavailable or "no engine core is ready")
         hashes = prompt_hashes(request.prompt_token_ids, request.cache_salt, self.config.kvcache_block_size,
                                self.config.prefix_caching_hash_algo)
         core = self.router.pick(live, hashes)
@@ -316,12 +277,12 @@ class EngineCoreClient:
         finally:
             del self.queues[request.request_id]
             core.request_ids.discard(request.request_id)
-            if not finished and not core.dead:  # an abort: fire and forget
+            if not finished and not core.cause_of_death:  # an abort: fire and forget
                 self.socket.send_multipart([core.identity, self.codec.encode(Abort([request.request_id]))])
 
     def health(self) -> list[dict]:
         return [{"rank": core.rank, "state": core.state, "pid": core.process and core.process.pid,
-                 "num_requests": len(core.request_ids), **({"why": core.dead} if core.dead else {})}
+                 "num_requests": len(core.request_ids), **({"why": core.cause_of_death} if core.cause_of_death else {})}
                 for core in self.cores]
 
     def close(self) -> None:

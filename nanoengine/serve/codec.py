@@ -1,18 +1,13 @@
-"""The front <-> engine-core protocol: its messages, their encoding, and the cluster key's proofs.
+"""The front <-> engine-core protocol: its messages, their encoding (msgspec's typed msgpack, one frame
+each, never pickle: a peer can only send a frame the other side drops), and the cluster key's proofs.
 
-Every message is one ZMQ frame of msgpack, written and read by msgspec against the messages' types, for the
-local cores (ipc) and the remote ones (TCP) alike. Decoding builds only the messages of the frame's direction
-and the dataclasses they hold (SamplingParams, RequestOutput, EngineStats, each checked as it is built); any
-other frame raises, so a peer can never make the other side run code, only send it a frame it drops.
-
-Before a core is admitted, it and the front prove to each other that they hold the cluster key: each sends a
-fresh random nonce, and each answers with an HMAC-SHA256 of both nonces under the key, labelled with its role
-so that one side's answer never serves as the other's:
+Before a core is admitted, each side proves it holds the key with an HMAC-SHA256 of both sides' fresh
+nonces, labelled with its role so that one side's answer never serves as the other's:
 
     core  -> front   Hello(rank, fingerprint, nonce)
     front -> core    Challenge(nonce)
     core  -> front   Proof(mac)                  HMAC(key, "core" + the front's nonce + the core's)
-    front -> core    Admission(refusal, mac)     HMAC(key, "front" + the core's nonce + the front's); refusal
+    front -> core    JoinReply(refusal, mac)     HMAC(key, "front" + the core's nonce + the front's); refusal
                                                  None: welcome, else why not
     core  -> front   Ready                       once it loaded the model
     front -> core    EngineCoreRequest, Abort    from then on
@@ -21,21 +16,30 @@ so that one side's answer never serves as the other's:
 
 import hashlib
 import hmac
+import logging
 import secrets
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+import zmq
 
+from nanoengine.config import EngineConfig
 from nanoengine.outputs import EngineStats, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
 NONCE_BYTES = 32
+HEARTBEAT_TIMEOUT_S = 5  # a peer silent this long (a stopped or swapping process) loses its connection
+ENTRY_BYTES = 256  # the most a token's logprob entry takes in a frame: its id, logprob, rank and text
+REQUEST_BYTES = 4 * 2**20  # room for a request's own fields: a structured output's schema, stop strings
+FRAME_MARGIN = 4
+logger = logging.getLogger("nanoengine.serve")
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 
 
 class Hello(msgspec.Struct, tag=True):
     rank: int
-    fingerprint: dict[str, Any]  # what must equal the front's for the core to join (engine_core.fingerprint)
+    fingerprint: dict[str, Any]  # what must equal the front's for the core to join (see fingerprint())
     nonce: Nonce
 
 
@@ -47,7 +51,7 @@ class Proof(msgspec.Struct, tag=True):
     mac: bytes
 
 
-class Admission(msgspec.Struct, tag=True):
+class JoinReply(msgspec.Struct, tag=True):
     refusal: str | None  # None: the core is admitted
     mac: bytes
 
@@ -81,7 +85,30 @@ class EngineCoreFailed(msgspec.Struct, tag=True):
 
 
 TO_FRONT = Hello | Proof | Ready | EngineCoreOutputs | EngineCoreFailed
-TO_CORE = Challenge | Admission | EngineCoreRequest | Abort
+TO_CORE = Challenge | JoinReply | EngineCoreRequest | Abort
+
+
+def max_frame_bytes(config: EngineConfig) -> int:
+    """The cluster sockets' cap on one frame: a margin over the largest legal one, a step's outputs where each
+    token of the step and of a whole prompt carries max_logprobs + 1 entries. A peer that sends a larger frame
+    loses its connection (ZMQ's MAXMSGSIZE) instead of making the other side hold it."""
+    tokens = config.max_num_batched_tokens + config.max_model_len
+    return FRAME_MARGIN * (tokens * (config.max_logprobs + 2) * ENTRY_BYTES + REQUEST_BYTES)
+
+
+def cluster_socket(context: zmq.Context, kind: int, config: EngineConfig) -> zmq.Socket:
+    """A socket of the front <-> core link: heartbeats (a silent peer is dropped) and the frame cap."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S * 1000)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(config))
+    return socket
+
+
+def fingerprint(config: EngineConfig) -> dict:
+    """What two cores behind one front must share, as a hello carries it (tuples become lists)."""
+    agreed = {"model name": Path(config.model).name, **config.agreed_options("data parallel")}
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(agreed))
 
 
 class Codec:
@@ -100,6 +127,14 @@ class Codec:
             return self.decoder.decode(memoryview(frames[0]))
         except Exception as error:  # whatever a hostile frame makes the decoder raise (depth, size, bad values)
             raise ValueError(f"{type(error).__name__}: {error}") from None
+
+    def receive(self, socket: zmq.Socket):
+        """The core's side: the next message from the front, or None (logged) when its frame does not decode."""
+        try:
+            return self.decode(socket.recv_multipart(copy=False))
+        except ValueError as error:
+            logger.warning("engine core: dropped a frame from the front: %s", error)
+            return None
 
 
 def new_nonce() -> bytes:

@@ -1,20 +1,17 @@
-"""The OpenAI request bodies (pydantic) and their mapping onto SamplingParams.
+"""The OpenAI request bodies (pydantic, strict) and their mapping onto SamplingParams.
 
-Every field of OpenAI's and vLLM's requests is either honoured or, when a request sets it to anything
-but its "off" value, refused with a 400 that names it (NOT_IMPLEMENTED). Keys that are neither are
-accepted, and the server logs each such name once at WARNING, as vLLM does. A known field is
-checked strictly at this boundary: its JSON type (no "16" for 16, no true for 1), finite floats,
-ints that fit the int64 tensors they feed, text that encodes as UTF-8, and JSON values nested at
-most MAX_JSON_DEPTH deep. What the values mean is checked by SamplingParams and
-LLMEngine.make_request, the checks the offline LLM runs. Every error names its field.
+Every field of OpenAI's and vLLM's requests is honoured, or refused with a 400 naming it when set to
+anything but its "off" value (unsupported.py's tables); other keys are logged once and ignored, as in
+vLLM. A field's JSON type, finite floats, int64 range, UTF-8 text and JSON depth are checked here; what the
+values mean, by SamplingParams and make_request, as offline.
 """
 
 import json
+from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from nanoengine.config import GENERATION_DEFAULTS
 from nanoengine.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -23,6 +20,7 @@ from nanoengine.sampling_params import (
     StructuredOutputsParams,
     field_error,
 )
+from nanoengine.serve.unsupported import CHAT_NOT_IMPLEMENTED, COMPLETIONS_NOT_IMPLEMENTED, NOT_IMPLEMENTED
 
 MAX_JSON_DEPTH = 32  # a deeper schema is refused: compiling and pickling it grow with its depth
 
@@ -63,75 +61,47 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False  # with include_usage: every chunk carries its choice's usage so far
 
 
+FormatType = Literal["text", "json_object", "json_schema"]
+
+
 class JsonSchemaFormat(Body):
     name: Text | None = None
     json_schema: JsonObject = Field(alias="schema")
 
 
 class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: FormatType
     json_schema: JsonSchemaFormat | None = None
 
 
-# OpenAI's and vLLM's fields that nanoengine does not implement: name -> (the values that leave it off, why).
-NOT_IMPLEMENTED = {
-    "use_beam_search": ((False,), "beam search is not implemented"),
-    "length_penalty": ((1,), "length_penalty applies to beam search, which is not implemented"),
-    "allowed_token_ids": ((None,), "allowed_token_ids is not implemented (structured_outputs or logit_bias can "
-                                   "restrict the tokens)"),
-    "bad_words": ((None, []), "bad_words is not implemented"),
-    "truncate_prompt_tokens": ((None,), "prompt truncation is not implemented"),
-    "truncation_side": ((None,), "prompt truncation is not implemented"),
-    "prompt_embeds": ((None,), "prompt embeddings are not implemented"),
-    "logprob_token_ids": ((None,), "logprob_token_ids is not implemented (use logprobs)"),
-    "spaces_between_special_tokens": ((True,), "special tokens are always decoded without added spaces"),
-    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not implemented"),
-    "return_token_ids": ((None, False), "return_token_ids is not implemented (/tokenize gives the prompt's ids)"),
-    "request_id": ((None,), "the server names each request itself"),
-    "kv_transfer_params": ((None,), "disaggregated serving is not implemented"),
-    "ec_transfer_params": ((None,), "disaggregated serving is not implemented"),
-    "vllm_xargs": ((None,), "custom extension arguments are not implemented"),
-    "repetition_detection": ((None,), "repetition_detection is not implemented"),
-    "thinking_token_budget": ((None, -1), "thinking_token_budget is not implemented"),
-    "watermarking": ((None, False), "watermarking is not implemented"),
-    "stream_interval": ((None, 1), "every step's tokens are streamed as they come (stream_interval=1)"),
-    "routed_experts_prompt_start": ((0,), "expert routing data is not returned"),
-    "return_token_offsets": ((None, False), "token offsets are not returned"),
-}
-CHAT_NOT_IMPLEMENTED = {
-    "echo": ((None, False), "echo is served on /v1/completions only"),
-    "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
-    "chat_template": ((None,), "the server uses the model's chat template (as vLLM does unless started with "
-                               "--trust-request-chat-template; LLM.chat takes another)"),
-    "mm_processor_kwargs": ((None,), "the served models take text only"),
-    "media_io_kwargs": ((None,), "the served models take text only"),
-    "audio": ((None,), "the served models give text only"),
-    "modalities": ((None, ["text"]), "the served models give text only"),
-    "prediction": ((None,), "predicted outputs are not implemented"),
-    "functions": ((None,), "functions is deprecated by OpenAI: use tools"),
-    "function_call": ((None,), "function_call is deprecated by OpenAI: use tool_choice"),
-    "web_search_options": ((None,), "web search is not implemented"),
-    "reasoning_effort": ((None,), "reasoning_effort is not implemented"),
-    "verbosity": ((None,), "verbosity is not implemented"),
-    "prompt_logprobs": ((None,), "prompt_logprobs is served on /v1/completions"),
-    "store": ((None, False), "completions are not stored"),
-    "service_tier": ((None, "auto", "default"), "there is one service tier"),
-}
-COMPLETIONS_NOT_IMPLEMENTED = {
-    "suffix": ((None,), "suffix is not currently supported"),  # vLLM's words
-    "add_special_tokens": ((None, True), "a text prompt is always encoded with the tokenizer's special tokens "
-                                         "(send token ids for another encoding)"),
-}
+class TopLevelBody(Body):
+    """A request's whole body: its fields, the ones refused (``not_implemented``), and keys kept apart."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown keys land in model_extra: see unknown_fields()
+    not_implemented: ClassVar[dict] = {}
+
+    def unknown_fields(self) -> list[str]:
+        """The body's keys that no OpenAI or vLLM request has; raises for one this server does not implement."""
+        for name, value in (self.model_extra or {}).items():
+            off, why = self.not_implemented.get(name, ((value,), ""))
+            if value not in off:
+                raise field_error(name, f"{name}: {why}")
+        return [name for name in self.model_extra or {} if name not in self.not_implemented]
+
+    def names(self) -> dict[str, str]:
+        """The body's name for each engine field (or, for a body served as a chat request, chat field) that an
+        error may name, where it differs: see APIError.renamed."""
+        return {}
 
 
-# The request fields that generation_config.json can default (its max_new_tokens is the token limit).
-SAMPLING_FIELDS = tuple(name for name in GENERATION_DEFAULTS if name != "max_new_tokens")
+# SamplingParams' fields that a request passes on as they are, when it has them; the others are computed.
+COMPUTED = {"max_tokens", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "output_kind"}
+PASSED_ON = [f.name for f in fields(SamplingParams) if f.init and f.name not in COMPUTED]
 
 
-class GenerationRequest(Body):
+class GenerationRequest(TopLevelBody):
     """What /v1/completions and /v1/chat/completions share (OpenAI's fields, then vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)  # kept apart, in model_extra: see unknown_fields()
     not_implemented: ClassVar[dict] = NOT_IMPLEMENTED
     model: Text | None = None
     max_tokens: Int64 | None = None
@@ -166,29 +136,25 @@ class GenerationRequest(Body):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
 
-    def unknown_fields(self) -> list[str]:
-        """The body's keys that no OpenAI or vLLM request has; raises for one this server does not implement."""
-        for name, value in (self.model_extra or {}).items():
-            off, why = self.not_implemented.get(name, ((value,), ""))
-            if value not in off:
-                raise field_error(name, f"{name}: {why}")
-        return [name for name in self.model_extra or {} if name not in self.not_implemented]
+    def as_generation(self) -> "GenerationRequest":
+        return self
+
+    def names(self) -> dict[str, str]:
+        names = {"prompt_token_ids": "prompt"}
+        return names | ({"structured_outputs": "response_format"} if self.structured_outputs is None else {})
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation_config values (``LLMEngine.config.default_sampling_params()``)."""
         if self.stream_options is not None and not self.stream:
             raise field_error("stream_options", "stream_options needs stream=true")
-        given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
-        sampling = {name: value for name, value in defaults.items() if name in SAMPLING_FIELDS} | given
-        return SamplingParams(
-            **sampling, n=self.n, seed=self.seed, logit_bias=token_id_keys(self.logit_bias),
-            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
-            prompt_logprobs=prompt_logprobs,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs))
+        passed = {name: getattr(self, name) for name in PASSED_ON if getattr(self, name) is not None}
+        return SamplingParams(**{name: value for name, value in defaults.items() if name != "max_tokens"} | passed,
+                              max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logit_bias=token_id_keys(self.logit_bias), output_kind=RequestOutputKind.DELTA,
+                              structured_outputs=structured_outputs_params(self.response_format,
+                                                                           self.structured_outputs))
 
 
 def token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -333,6 +299,14 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: JsonObject | None = None  # extra variables for the chat template (e.g. enable_thinking)
     documents: list[dict[Text, Text]] | None = None  # for templates that render retrieved documents
     include_reasoning: bool = True  # vLLM's; no reasoning parser runs, so there is no reasoning to leave out
+
+    def names(self) -> dict[str, str]:
+        names = super().names() | {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            names["structured_outputs"] = "tools"  # the grammar of a forced tool call: its parameters' schema
+        return names
 
     def template_options(self) -> dict:
         """What the chat template gets besides the messages."""

@@ -1,40 +1,34 @@
-"""/v1/responses: OpenAI's Responses API, served through the chat machinery.
+"""/v1/responses: OpenAI's Responses API, served as a chat request.
 
 A request becomes a ChatCompletionRequest (``instructions`` as the system message, the input items as messages,
 function tools as chat tools, ``text.format`` as ``response_format``), so it is validated, templated, generated
-and its tool calls parsed exactly as a chat request's are. The output is told as Responses items: a message with
-its ``output_text``, and a ``function_call`` item per call; streamed, as the Responses events
-(``response.created``, ``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta`` ... ``.done``,
-``response.function_call_arguments.delta`` ... ``.done``, ``response.output_item.done``, then
-``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` ran out).
-
-Nothing is stored: a request that leaves ``store`` out is answered with ``store: false`` (OpenAI's default is
-true), and ``store: true`` is refused, as are ``previous_response_id`` and the other fields that need a stored
-response, a hosted tool or a reasoning model: each a 400 naming the field.
+and its tool calls parsed exactly as a chat request's are; ``ResponseWriter`` tells the output as Responses items
+and events. Nothing is stored: ``store: true``, ``previous_response_id`` and the other fields that need a stored
+response, a hosted tool or a reasoning model are each a 400 naming the field. docs/serving.md lists the events.
 """
 
 import copy
-import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from nanoengine.sampling_params import INT64_MAX
-from nanoengine.serve.api_server import APIError, OpenAIServer, prepend, until_disconnected
+from nanoengine.serve.errors import APIError
 from nanoengine.serve.protocol import (
     Body,
     ChatCompletionRequest,
     Finite,
+    FormatType,
+    FunctionDefinition,
     JsonArguments,
     JsonObject,
+    JsonSchemaFormat,
     Text,
-    ToolName,
+    TopLevelBody,
 )
+from nanoengine.serve.unsupported import RESPONSES_NOT_IMPLEMENTED
 
 
 class InputText(Body):
@@ -64,12 +58,8 @@ class FunctionCallOutputItem(Body):
     output: Text
 
 
-class FunctionTool(Body):
+class FunctionTool(FunctionDefinition):
     type: Literal["function"]  # hosted tools (web_search, file_search, ...) are not served
-    name: ToolName
-    description: Text | None = None
-    parameters: JsonObject | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(Body):
@@ -77,9 +67,8 @@ class NamedFunction(Body):
     name: Text
 
 
-class TextFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    name: Text | None = None
+class TextFormat(JsonSchemaFormat):
+    type: FormatType
     json_schema: JsonObject | None = Field(None, alias="schema")
 
 
@@ -87,12 +76,8 @@ class TextOptions(Body):
     format: TextFormat | None = None
 
 
-# Fields whose meaning needs a stored response, a hosted tool or a reasoning model: refused when given.
-UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "background", "include", "reasoning",
-               "top_logprobs", "max_tool_calls")
-
-
-class ResponsesRequest(Body):
+class ResponsesRequest(TopLevelBody):
+    not_implemented = RESPONSES_NOT_IMPLEMENTED
     model: Text | None = None
     input: Text | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem], Field(min_length=1)]
     instructions: Text | None = None
@@ -100,7 +85,6 @@ class ResponsesRequest(Body):
     temperature: Finite | None = None
     top_p: Finite | None = None
     stream: bool = False
-    store: bool = False  # OpenAI's default is true; nothing is stored here
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
@@ -108,25 +92,16 @@ class ResponsesRequest(Body):
     truncation: Literal["disabled"] | None = None  # "auto" would drop input that does not fit
     metadata: dict[str, Text] | None = None
     user: Text | None = None
-    previous_response_id: Text | None = None
-    conversation: Any = None
-    prompt: Any = None
-    background: bool | None = None
-    include: list[Any] | None = None
-    reasoning: Any = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
 
-    def check_served(self) -> None:
-        if self.store:
-            raise APIError(400, "store: this server stores no responses; send store=false", "store")
-        given = next((name for name in UNSUPPORTED if getattr(self, name) not in (None, False, [])), None)
-        if given is not None:
-            raise APIError(400, f"{given}: not supported by this server (responses are not stored, and there are "
-                                f"no hosted tools or reasoning settings)", given)
+    def names(self) -> dict[str, str]:
+        """A chat (or engine) field's name in this request."""
+        tools = {f"tools.{i}.function": f"tools.{i}" for i in range(len(self.tools or []))}
+        return {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "messages": "input",
+                "prompt": "input", "prompt_token_ids": "input", "response_format": "text.format",
+                "structured_outputs": "text.format", **tools}
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The equivalent chat request (its errors name this request's fields)."""
+    def as_generation(self) -> ChatCompletionRequest:
+        """The equivalent chat request (its errors name the chat request's fields)."""
         chat = {"model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
                 "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
@@ -139,7 +114,7 @@ class ResponsesRequest(Body):
         except ValidationError as error:
             first = error.errors()[0]
             param = ".".join(str(part) for part in first["loc"])
-            raise renamed(APIError(400, f"{param}: {first['msg']}", param)) from None
+            raise APIError(400, f"{param}: {first['msg']}", param) from None
 
     def messages(self) -> list[dict]:
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
@@ -166,28 +141,47 @@ class ResponsesRequest(Body):
         return {"type": "json_schema", "json_schema": {"name": form.name, "schema": form.json_schema}}
 
 
-# A chat field's name in a Responses request (the rest are the same).
-RESPONSES_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
-
-
-def renamed(error: APIError) -> APIError:
-    """An APIError about the chat request, naming the Responses request's field."""
-    param = error.param or ""
-    new = RESPONSES_NAMES.get(param.split(".")[0], param.split(".")[0]) + param[len(param.split(".")[0]):]
-    new = new.replace(".function.", ".", 1) if new.startswith("tools.") else new
-    error.message = error.message.replace(param, new, 1) if param else error.message
-    error.param = new or None
-    return error
-
-
 class ResponseWriter:
     """Writes the generated text into the Response's output items, and returns the stream's events as it goes.
     A tool-call extractor (tools.py) splits the text into content and calls first, when tools are in use."""
 
-    def __init__(self, response: dict, extractor):
-        self.response, self.extractor = response, extractor
+    named_events = True  # each SSE frame has an "event:" line, its type
+    end_of_stream = None
+
+    def __init__(self, response: dict, extractor, num_prompt_tokens: int = 0):
+        self.response, self.extractor, self.num_prompt_tokens = response, extractor, num_prompt_tokens
         self.item: dict | None = None  # the output item being written
         self.sequence_number = 0
+
+    @classmethod
+    def of(cls, body: ResponsesRequest, prepared, model_name: str, decode=None) -> "ResponseWriter":
+        request, tool_use = prepared.requests[0], prepared.tool_use  # one prompt, n = 1
+        return cls(new_response(body, prepared.body, model_name, request.params),
+                   tool_use and tool_use.extractor(), len(request.prompt_token_ids))
+
+    async def stream(self, outputs):
+        for event in self.start():
+            yield event
+        num_tokens = num_cached_tokens = 0
+        async for _, output in outputs:
+            completion = output.outputs[0]
+            num_tokens += len(completion.token_ids)
+            num_cached_tokens = output.num_cached_tokens
+            for event in self.write(completion.text, final=completion.finish_reason is not None):
+                yield event
+        for event in self.finish(completion.finish_reason, {
+                "input_tokens": self.num_prompt_tokens, "input_tokens_details": {"cached_tokens": num_cached_tokens},
+                "output_tokens": num_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.num_prompt_tokens + num_tokens}):
+            yield event
+
+    async def whole(self, outputs) -> dict:
+        async for _ in self.stream(outputs):
+            pass
+        return self.response
+
+    def error_event(self, error: APIError) -> dict:
+        return self.event("error", code=str(error.status), message=error.message, param=error.param)
 
     def event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self.sequence_number, **copy.deepcopy(fields)}
@@ -259,9 +253,9 @@ class ResponseWriter:
                                     response=self.response)]
 
 
-def new_response(body: ResponsesRequest, chat: ChatCompletionRequest, server, params) -> dict:
+def new_response(body: ResponsesRequest, chat: ChatCompletionRequest, model_name: str, params) -> dict:
     return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-            "status": "in_progress", "model": server.model_names[0], "output": [], "error": None,
+            "status": "in_progress", "model": model_name, "output": [], "error": None,
             "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
@@ -273,56 +267,3 @@ def new_response(body: ResponsesRequest, chat: ChatCompletionRequest, server, pa
                      or {"type": "text"}},
             "truncation": "disabled", "reasoning": None, "metadata": body.metadata or {}, "user": body.user,
             "usage": None}
-
-
-async def create_response(server: OpenAIServer, body: ResponsesRequest, http: Request):
-    """The route: the request checked, admitted and queued as a chat request, answered as a Response (or its
-    events)."""
-    body.check_served()
-    try:
-        chat = body.to_chat()
-        prepared = await server.admit(chat, http)
-        request, tool_use = prepared.requests[0], prepared.tool_use  # one prompt, n = 1
-    except APIError as error:
-        raise renamed(error) from None
-    writer = ResponseWriter(new_response(body, chat, server, request.params), tool_use and tool_use.extractor())
-    outputs = server.outputs(request, http.state.admission)
-    first = await until_disconnected(server.first_output(outputs, http.state.admission), http)
-    if first is None:
-        return Response(status_code=499)  # the client has gone: nobody reads it
-    outputs = prepend(first, outputs)
-    if body.stream:
-        return StreamingResponse(sse(request, writer, outputs), media_type="text/event-stream")
-    reply = await until_disconnected(drain(request, writer, outputs), http)
-    return Response(status_code=499) if reply is None else reply
-
-
-async def events(request, writer: ResponseWriter, outputs):
-    yield writer.start()
-    num_tokens = num_cached_tokens = 0
-    async for output in outputs:
-        completion = output.outputs[0]
-        num_tokens += len(completion.token_ids)
-        num_cached_tokens = output.num_cached_tokens
-        yield writer.write(completion.text, final=completion.finish_reason is not None)
-    num_prompt_tokens = len(request.prompt_token_ids)
-    yield writer.finish(completion.finish_reason, {
-        "input_tokens": num_prompt_tokens, "input_tokens_details": {"cached_tokens": num_cached_tokens},
-        "output_tokens": num_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": num_prompt_tokens + num_tokens})
-
-
-async def drain(request, writer: ResponseWriter, outputs) -> dict:
-    async for _ in events(request, writer, outputs):
-        pass
-    return writer.response
-
-
-async def sse(request, writer: ResponseWriter, outputs):
-    try:
-        async for batch in events(request, writer, outputs):
-            for event in batch:
-                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-    except APIError as error:
-        event = writer.event("error", code=str(error.status), message=error.message, param=error.param)
-        yield f"event: error\ndata: {json.dumps(event)}\n\n"

@@ -1,18 +1,9 @@
-"""Tool calling on /v1/chat/completions, as vLLM does it.
+"""Tool calling on /v1/chat/completions, as vLLM does it (docs/api.md has each tool_choice's rules).
 
-- ``tools`` go to the chat template (``apply_chat_template(tools=...)``); a template that takes them renders them.
-- A named ``tool_choice``, or ``"required"``, forces the output through structured outputs: the named function's
-  arguments (its ``parameters`` schema), or a JSON array of ``{"name", "parameters"}`` calls to the given tools
-  (vLLM's schema), so the output is always a call with arguments valid for the function's schema.
-- ``"auto"`` (the default when tools are given) needs a tool-call parser (``--enable-auto-tool-choice
-  --tool-call-parser hermes``): the calls are parsed out of the generated text, where the model wrote them as
-  ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (Qwen2.5's and Qwen3's templates ask for that).
-- ``"none"`` renders the tools and parses nothing.
-
-Each way has an extractor: ``feed(text, final)`` takes the next piece of generated text and returns the content
-to show and the tool-call deltas, in OpenAI's streamed shape (the first delta of a call has its index, id and
-name, the next ones pieces of its arguments). A whole reply is the same deltas merged, so a streamed reply and a
-whole one always say the same.
+A named ``tool_choice`` or ``"required"`` forces the output through structured outputs (the call's schema);
+``"auto"`` parses ``<tool_call>{...}</tool_call>`` out of the text (``--tool-call-parser hermes``). Each
+way has an extractor whose ``feed(text, final)`` returns the content to show and the tool-call deltas in
+OpenAI's streamed shape; a whole reply is the same deltas merged, so streamed and whole replies agree.
 """
 
 import json

@@ -15,10 +15,10 @@ from gguf import GGUFReader
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoengine.attention.torch_backend import quantize
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
 from nanoengine.platforms.cpu.quantize import pack_int4
+from nanoengine.quantization import quantize
 from nanoengine.utils.gguf_file import EIGHT_BIT_TYPES, FOUR_BIT_TYPES, as_float32, four_bit, hf_name
 from nanoengine.utils.loader import check_all_loaded, load_tensor, target_of
 

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanoengine.attention.torch_backend import quantize
 from nanoengine.distributed import tp_size
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase, RowParallelLinear
+from nanoengine.quantization import quantize
 
 logger = logging.getLogger(__name__)
 

@@ -1,26 +1,23 @@
-"""Admission control in the front: how many requests and prompt tokens may wait, how long, and whether the
-server is ready for more.
+"""Admission control in the front: how many requests and prompt tokens may wait for their first token,
+for how long, and whether the server is ready for more (docs/operations.md has the flags and the why).
 
-A request waits from the moment the front takes it (while it is tokenized, in an engine core's waiting
-queue, through its prefill) until its first token: that is the wait a client sees. The front counts every
-waiting request and, once tokenized, its prompt tokens. ``AdmissionGate`` refuses a generation request
-before its body is read while the queue is full (429, with ``Retry-After``) or the server drains (503),
-so a flood costs the front almost nothing; ``Admission.add_tokens`` refuses one whose prompt would take
-the waiting tokens past their cap (429), before it reaches an engine core. A request that gets no first
-token within ``max_queue_seconds`` is aborted in its core and answered 503 (``OpenAIServer.respond``
-waits for the first token before it starts a stream, so nothing is ever half-streamed).
-
-The deadline is enforced here rather than in the engine core's scheduler: one clock (a remote core's may
-differ), one place that covers both queues (the front's tokenizer threads and the core's waiting queue),
-and no change to the front<->core protocol; the abort frees the request's slot and blocks in the core.
+``AdmissionGate`` refuses a generation request before its body is read while the queue is full (429) or
+the server drains (503); ``AdmissionControl.add_tokens`` refuses one whose prompt would overfill the token
+cap (429); ``Shutdown`` drains on SIGTERM.
 """
 
+import asyncio
 import json
+import logging
 import math
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanoengine.serve.errors import SHUTTING_DOWN, APIError, engine_gone, overloaded
+
+logger = logging.getLogger("nanoengine.serve")
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 RETRY_AFTER_MAX_S = 60
 RECENT_STARTS = 32  # first tokens remembered to estimate how often a queued request leaves the queue
@@ -42,7 +39,7 @@ class Ticket:
     waiting: bool = True
 
 
-class Admission:
+class AdmissionControl:
     def __init__(self, limits: AdmissionLimits):
         self.limits = limits
         self.tickets: set[Ticket] = set()  # every request in flight, waiting or not
@@ -115,25 +112,20 @@ class Admission:
                          "num_ready_engines": num_ready_cores}
 
 
-def error_body(status: int, message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-
-
 class AdmissionGate:
     """ASGI middleware: a generation request gets a ``Ticket`` (in ``scope["state"]["admission"]``) for as long
     as its response lasts, or a 429 / 503 before its body is read."""
 
-    def __init__(self, app, admission: Admission):
+    def __init__(self, app, admission: AdmissionControl):
         self.app, self.admission = app, admission
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_ROUTES:
             return await self.app(scope, receive, send)
         if self.admission.draining:
-            return await refuse(send, 503, "the server is shutting down", "service_unavailable", {})
+            return await refuse(send, engine_gone(SHUTTING_DOWN))
         if why := self.admission.full():
-            return await refuse(send, 429, f"the server is overloaded: {why}; retry later", "rate_limit_exceeded",
-                                {"retry-after": str(self.admission.retry_after())})
+            return await refuse(send, overloaded(why, self.admission.retry_after()))
         ticket = self.admission.enter()
         scope.setdefault("state", {})["admission"] = ticket
         try:
@@ -142,9 +134,42 @@ class AdmissionGate:
             self.admission.leave(ticket)
 
 
-async def refuse(send, status: int, message: str, kind: str, headers: dict[str, str]) -> None:
-    body = error_body(status, message, kind)
-    headers = {"content-type": "application/json", "content-length": str(len(body)), **headers}
-    await send({"type": "http.response.start", "status": status,
+async def refuse(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = {"content-type": "application/json", "content-length": str(len(body)), **(error.headers or {})}
+    await send({"type": "http.response.start", "status": error.status,
                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
     await send({"type": "http.response.body", "body": body})
+
+
+class Shutdown:
+    """SIGTERM drains: new requests get 503 and /ready says so, in-flight ones may finish within
+    ``timeout_s``; then (or on SIGINT, a second signal, or the engine cores' end) what is left ends at once."""
+
+    def __init__(self, server, http, timeout_s: float):
+        """``server``: the OpenAIServer; ``http``: the uvicorn.Server."""
+        self.server, self.http, self.timeout_s = server, http, timeout_s
+        self.drain: asyncio.Task | None = None
+
+    def on_signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM and self.timeout_s > 0 and self.drain is None:
+            self.drain = asyncio.ensure_future(self.drain_then_stop())
+        else:
+            self.now()
+
+    async def drain_then_stop(self) -> None:
+        admission = self.server.admission
+        admission.draining = True
+        logger.info("draining: %d requests in flight, given up to %g s (--shutdown-timeout)", len(admission.tickets),
+                    self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while admission.tickets and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if admission.tickets:
+            logger.warning("drained for %g s; ending the %d requests left", self.timeout_s, len(admission.tickets))
+        self.now()
+
+    def now(self) -> None:
+        self.server.admission.draining = True
+        self.server.stop()
+        self.http.should_exit = True

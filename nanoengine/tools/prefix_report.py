@@ -1,15 +1,10 @@
 """``nanoengine prefix-report REQUESTS.jsonl``: which part of a prompt template breaks prefix-cache reuse.
 
-    nanoengine prefix-report REQUESTS.jsonl [--model DIR] [--num-blocks N] [--block-size 16] [--json] [--plot FILE]
-    python -m nanoengine.serve.prefix_report ...     (the same)
-
-Each line is one request body: ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}`` or ``{"messages": [...]}``
-(rendered by the model's chat template as ``LLM.chat`` renders it), each with an optional ``cache_salt``; other
-fields (``model``, ``max_tokens``, ...) change nothing that is cached and are ignored. The requests are
-validated and tokenized by the engine's own ``make_request`` and replayed in file order through the engine's
-``BlockManager`` (its hashing, exact matching and LRU eviction), as if each ran alone with ``max_tokens=1``.
-No weights are loaded. Per request: ``prompt_tokens``, ``cached_tokens``, and where it departs from the
-earlier prompt (same salt) that shares the longest prefix with it.
+Each line is one request body (``prompt``, ``prompt_token_ids`` or ``messages``, with an optional
+``cache_salt``), validated and tokenized by the engine's own ``make_request`` and replayed in file order
+through the engine's ``BlockManager``, as if each ran alone; no weights are loaded. Per request: its
+prompt and cached tokens, and where it departs from the earlier prompt that shares the most with it
+(docs/prefix-caching.md).
 """
 
 import argparse

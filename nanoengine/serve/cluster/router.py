@@ -1,11 +1,9 @@
-"""Which engine core gets a request (data parallelism): the one holding its longest cached prefix, within a margin
-of the least loaded one.
+"""Which engine core gets a request: the one holding its longest cached prefix, within a margin of the
+least loaded one (docs/design.md says why a margin).
 
-The front remembers, for each core, the hashes of the prompt blocks it sent there lately: the same 16-token
-chained hashes, with the request's cache salt in block 0, as the core's block manager, so tenants with other
-salts route apart. Each core's memory is an LRU as long as its KV cache, so it forgets roughly what the core's
-cache can no longer hold. A core's load is vLLM's score, waiting * 4 + running, where a request the front sent
-but the core has not yet reported running counts as waiting.
+The front remembers, per core, the chained block hashes of the prompts it sent there lately (the block
+manager's own, salt included), in an LRU as long as the core's KV cache. A core's load is vLLM's score,
+waiting * 4 + running, where a request sent but not yet reported running counts as waiting.
 """
 
 from collections import OrderedDict

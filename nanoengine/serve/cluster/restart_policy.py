@@ -1,11 +1,6 @@
-"""When the front starts a local engine core again after it died.
-
-A core that dies (killed, out of memory, a failed step) fails its requests at once, as before; then it is
-started again after a back-off that doubles with each death in the window (1 s, 2 s, 4 s, ... at most
-30 s), so a core that dies while loading does not spin. More than ``max_restarts`` deaths within
-``RESTART_WINDOW_S`` mean something is wrong that a restart does not fix: the front then gives up and exits
-non-zero, so that its orchestrator (systemd, Kubernetes) restarts the whole server, or tells a person.
-A remote (``--headless``) core cannot be started from here: it is dropped, and may join again.
+"""When the front starts a local engine core again after it died: after a back-off that doubles with each
+death in the window (1 s, 2 s, ... at most 30 s), until more than ``max_restarts`` deaths within
+``RESTART_WINDOW_S``; then the front gives up and exits non-zero, for its orchestrator to see.
 """
 
 import time

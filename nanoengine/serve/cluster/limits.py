@@ -1,11 +1,8 @@
 """The front's guards against the operating system's limits: open files, and a log that could flood.
 
-Each HTTP connection holds a file descriptor. The front raises its soft ``RLIMIT_NOFILE`` to the hard limit
-at start (systemd's default soft limit is 1,024) and caps uvicorn's concurrent connections below it, so a
-connection past the cap is still accepted and answered 503 instead of waiting unanswered in the listen
-backlog while ``accept`` fails. ``RepeatFilter`` keeps an error that repeats (the same message from the
-same place) from being logged thousands of times: a few in each window, then one line that says how many
-were left out.
+The front raises its soft ``RLIMIT_NOFILE`` to the hard limit and caps uvicorn's connections below it, so
+a connection past the cap is answered 503 instead of waiting in the backlog; ``RepeatFilter`` logs an
+error that repeats a few times a window, then says how many it left out.
 """
 
 import logging
