@@ -6,8 +6,10 @@
 // of the inputs: a pair of inputs (k, k+1) in bfloat16 (64 bytes), which `vdpbf16ps` (AVX512-BF16) multiplies by
 // a broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), one input k in float32 (64 bytes), which an
 // FMA multiplies by a broadcast x, or one input k in int8 (16 bytes), widened to float32 in registers and met by
-// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs). The layout is
-// [N/16, K/step, 16, step]. Each task computes V blocks
+// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs), or a pair of inputs (k,
+// k+1) in 4 bits (16 bytes: one byte per output, k in the low nibble), widened and made q scale + min with its
+// group's scale and minimum (W4A16). The layout is [N/16, K/step, 16, step] ([N/16, K/2, 16, 1] bytes for 4-bit).
+// Each task computes V blocks
 // of 16 outputs for every row, 8 rows at a time; a block's weight stays in L2 between row chunks. The sums are
 // float32 (an int8 weight's times its output's scale at the end), then the bias is added and each output rounded
 // once to the output's dtype (to nearest, ties to even, as torch's matmul rounds). Built with the attention
@@ -98,6 +100,23 @@ template <typename T>
 constexpr bool kPairs = false;
 #endif
 
+// 4-bit (W4A16): a step is two inputs (k, k + 1) of 16 outputs, one byte per output, k's 4-bit q in the low nibble;
+// widened to float32 here, then made w = q scale + min (exactly the dequantized weight: q scale is exact in
+// float32, and the sum rounded once) with the scale and minimum of the output's group of 32 inputs.
+struct Int4 {
+  uint8_t nibbles;
+};
+template <>
+struct Step<Int4> {
+  static constexpr int inputs = 2;
+  static void widen(const Int4* w, Vec16* out) { widen_nibble_pairs16(&w->nibbles, out[0], out[1]); }
+};
+template <typename W>
+constexpr bool kGrouped = std::is_same_v<W, Int4>;  // a scale and a minimum per output and group of 32 inputs
+constexpr int64_t kStepsPerGroup = 16;
+template <typename W>
+constexpr int kInputsPerElement = kGrouped<W> ? 2 : 1;
+
 template <typename W>
 struct InputOf {
   using type = std::conditional_t<kPairs<W>, at::BFloat16, float>;
@@ -106,25 +125,26 @@ template <typename W>
 using Input = typename InputOf<W>::type;  // what x is read as
 
 template <typename W>
-constexpr int64_t kBlockStep = kLanes * Step<W>::inputs;  // elements of one step of one block
+constexpr int64_t kBlockStep = kLanes * Step<W>::inputs / kInputsPerElement<W>;  // elements of one step of one block
 
 template <typename W>
-constexpr bool kScaled = sizeof(W) == 1;  // int8: the sums times the output's scale
+constexpr bool kScaled = sizeof(W) == 1 && !kGrouped<W>;  // int8: the sums times the output's scale
 
-// W: the packed weight's type; T: the bias's and the output's (an int8 weight's x, bias and out are float32,
-// bfloat16 or float16; any other weight's are of its own type).
+// W: the packed weight's type; T: the bias's and the output's (an int8 or 4-bit weight's x, bias and out are
+// float32, bfloat16 or float16; any other weight's are of its own type).
 template <typename W, typename T = W>
 struct Operands {
-  const Input<W>* x;   // [M, K]
-  const W* packed;     // [N/16, K/step, 16, step]
-  const float* scale;  // [N] for an int8 weight, else null
-  const T* bias;       // [N] or null
-  T* out;              // [M, N]
+  const Input<W>* x;              // [M, K]
+  const W* packed;                // [N/16, K/step, 16, step]
+  const float* scale;             // [N] for an int8 weight, else null
+  const at::Half *group_scale, *group_min;  // [N/16, K/32, 16] for a 4-bit weight, else null
+  const T* bias;                  // [N] or null
+  T* out;                         // [M, N]
   int64_t rows, steps, outputs;
 };
 
 template <typename W>
-constexpr int64_t kStepsPerLine = 64 / (kBlockStep<W> * int64_t(sizeof(W)));  // 1, or 2 and 4 for int8
+constexpr int64_t kStepsPerLine = 64 / (kBlockStep<W> * int64_t(sizeof(W)));  // 1, or 2 and 4 for 8 and 4 bits
 
 // Rows [row, row + R) times packed blocks [block, block + V). At each step, each block's stream asks for the
 // weight ``ahead`` elements further on.
@@ -135,6 +155,7 @@ void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
     for (int v = 0; v < V; ++v) sums[r][v] = zero16();
   const W* streams[V];
   for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<W>;
+  Vec16 group_scale[V], group_min[V];  // a 4-bit weight's, for the 16 steps of each group
   for (int64_t s = 0; s < op.steps; ++s) {
     if (s % kStepsPerLine<W> == 0)  // once per 64-byte line of each stream, into L2, as prefetch_block does
       for (int v = 0; v < V; ++v) __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);
@@ -152,6 +173,16 @@ void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
       constexpr int inputs = Step<W>::inputs;
       Vec16 wide[V][inputs];
       for (int v = 0; v < V; ++v) Step<W>::widen(streams[v] + s * kBlockStep<W>, wide[v]);
+      if constexpr (kGrouped<W>) {
+        if (s % kStepsPerGroup == 0)
+          for (int v = 0; v < V; ++v) {
+            const int64_t group = ((block + v) * (op.steps / kStepsPerGroup) + s / kStepsPerGroup) * kLanes;
+            group_scale[v] = load16(op.group_scale + group);
+            group_min[v] = load16(op.group_min + group);
+          }
+        for (int v = 0; v < V; ++v)
+          for (int i = 0; i < inputs; ++i) wide[v][i] = fma16(wide[v][i], group_scale[v], group_min[v]);
+      }
       const float* x = op.x + (row * op.steps + s) * inputs;  // row r's inputs: x[r inputs steps + i]
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < inputs; ++i) {
@@ -232,27 +263,49 @@ void run(const Operands<W, T>& op) {
   });
 }
 
-template <typename W, typename T = W>
-void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
-               const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
-  const at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
-  const Operands<W, T> op{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
-                          scale ? scale->data_ptr<float>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
-                          out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)};
-  // An int8 step is 16 or 32 bytes a stream, and widening it costs more than its multiply: 4 streams read them at
-  // the memory's speed at one row, where 8 ran slower (docs/quantization.md).
-  if constexpr (kVectorRegisters >= 32) {
-    if (op.rows <= 2) return run<W, T, sizeof(W) == 1 ? 4 : 8>(op);
-    if (op.rows <= 4) return run<W, T, 6>(op);
-  } else if (op.rows <= 2) {
-    return run<W, T, 3>(op);
+// The tile shape for a call's rows.
+template <typename W, typename T>
+void run_in_tiles(const Operands<W, T>& op) {
+  if constexpr (kGrouped<W>) {
+    // A 4-bit tile keeps each block's group scale and minimum live beside its two widened inputs (4 Vec16 a block
+    // besides its rows' sums): fewer blocks a tile than int8's, so that they stay in registers.
+    if constexpr (kVectorRegisters >= 32) {
+      if (op.rows <= 4) return run<W, T, 4>(op);
+      run<W, T, 2>(op);
+    } else {
+      run<W, T, 1>(op);
+    }
+  } else {
+    // An int8 step is 16 or 32 bytes a stream, and widening it costs more than its multiply: 4 streams read them
+    // at the memory's speed at one row, where 8 ran slower (docs/quantization.md).
+    if constexpr (kVectorRegisters >= 32) {
+      if (op.rows <= 2) return run<W, T, sizeof(W) == 1 ? 4 : 8>(op);
+      if (op.rows <= 4) return run<W, T, 6>(op);
+    } else if (op.rows <= 2) {
+      return run<W, T, 3>(op);
+    }
+    run<W, T, kAccumulators / kRowsPerChunk>(op);
   }
-  run<W, T, kAccumulators / kRowsPerChunk>(op);
 }
 
-bool multiplies(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar; }
+template <typename W, typename T = W>
+void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+               const c10::optional<at::Tensor>& minimum, const c10::optional<at::Tensor>& bias,
+               const at::Tensor& out) {
+  const at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
+  const bool grouped = kGrouped<W>;
+  run_in_tiles(Operands<W, T>{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
+                              scale && !grouped ? scale->data_ptr<float>() : nullptr,
+                              grouped ? scale->data_ptr<at::Half>() : nullptr,
+                              grouped ? minimum->data_ptr<at::Half>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
+                              out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)});
+}
 
-// An int8 weight's x (and bias and out): float32, bfloat16 or float16.
+bool multiplies(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar || dtype == at::kByte;
+}
+
+// An int8 or 4-bit weight's x (and bias and out): float32, bfloat16 or float16.
 bool scales_for(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf; }
 
 void check_scale(const at::Tensor& x, const c10::optional<at::Tensor>& scale, int64_t outputs) {
@@ -262,48 +315,71 @@ void check_scale(const at::Tensor& x, const c10::optional<at::Tensor>& scale, in
                   scale->numel() == outputs,
               "linear: an int8 weight needs its scale, float32 [N]");
 }
+
+void check_groups(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+                  const c10::optional<at::Tensor>& minimum) {
+  TORCH_CHECK(scales_for(x.scalar_type()), "linear: a 4-bit weight's x is float32, bfloat16 or float16, not ",
+              x.scalar_type());
+  TORCH_CHECK(x.size(1) % 32 == 0, "linear: a 4-bit weight's x [M, K] has whole groups of 32 inputs, not K = ",
+              x.size(1));
+  const std::vector<int64_t> shape{packed.size(0), x.size(1) / 32, 16};
+  for (const auto& [t, name] : {std::pair{&scale, "scale"}, {&minimum, "minimum"}})
+    TORCH_CHECK(*t && (*t)->device().is_cpu() && (*t)->is_contiguous() && (*t)->scalar_type() == at::kHalf &&
+                    (*t)->sizes() == at::IntArrayRef(shape),
+                "linear: a 4-bit weight needs its ", name, ", float16 [N/16, K/32, 16]");
+}
 }  // namespace
 
-// The weight dtypes this build multiplies: float32 and bfloat16 with AVX-512 (bfloat16 in dpbf16 with
-// AVX512-BF16), and int8 (with a float32 scale per output; x float32, bfloat16 or float16).
+// The weight dtypes this build multiplies: float32 and bfloat16 (bfloat16 in dpbf16 with AVX512-BF16), int8
+// (with a float32 scale per output; x float32, bfloat16 or float16) and 4-bit, "int4" (uint8 pairs of nibbles,
+// with a float16 scale and minimum per output and group of 32 inputs; x as for int8).
 std::vector<std::string> linear_dtypes() {
   std::vector<std::string> dtypes;
-  for (const auto& [dtype, name] : {std::pair{at::kFloat, "float32"}, {at::kBFloat16, "bfloat16"}, {at::kChar, "int8"}})
+  for (const auto& [dtype, name] :
+       {std::pair{at::kFloat, "float32"}, {at::kBFloat16, "bfloat16"}, {at::kChar, "int8"}, {at::kByte, "int4"}})
     if (multiplies(dtype)) dtypes.push_back(name);
   return dtypes;
 }
 
-// x: [M, K], contiguous; packed: [N/16, K/step, 16, step] (step 2 for bfloat16, 1 for float32 and int8); scale:
-// [N] float32 for an int8 weight, else None; bias: [N] or None; out: [M, N], contiguous. x, bias and out share
-// one dtype, the weight's unless the weight is int8.
+// x: [M, K], contiguous; packed: [N/16, K/step, 16, step] (step 2 for bfloat16, 1 for float32 and int8), or for a
+// 4-bit weight uint8 [N/16, K/2, 16, 1] (each byte two inputs); scale: [N] float32 for an int8 weight, float16
+// [N/16, K/32, 16] for a 4-bit one, else None; minimum: a 4-bit weight's, as its scale, else None; bias: [N] or
+// None; out: [M, N], contiguous. x, bias and out share one dtype, the weight's unless the weight is int8 or 4-bit.
 void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
-            const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
+            const c10::optional<at::Tensor>& minimum, const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
   const at::ScalarType weight_dtype = packed.scalar_type(), dtype = x.scalar_type();
-  const bool int8 = weight_dtype == at::kChar;
-  const int64_t step = weight_dtype == at::kBFloat16 ? 2 : 1;
+  const bool int8 = weight_dtype == at::kChar, int4 = weight_dtype == at::kByte;
+  const int64_t per_lane = weight_dtype == at::kBFloat16 ? 2 : 1, inputs = int4 ? 2 : per_lane;
   TORCH_CHECK(multiplies(weight_dtype), "linear: this build does not multiply ", weight_dtype, " weights");
   for (const at::Tensor* t : {&x, &packed, &out})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && (t == &packed || t->scalar_type() == dtype) &&
-                    (int8 || t->scalar_type() == weight_dtype),
-                "linear: x, packed and out are contiguous CPU tensors of one dtype (x and out of one, with int8)");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == step &&
-                  x.size(1) == step * packed.size(1) && out.dim() == 2 && out.size(0) == x.size(0) &&
+                    (int8 || int4 || t->scalar_type() == weight_dtype),
+                "linear: x, packed and out are contiguous CPU tensors of one dtype (x and out of one, with int8 or "
+                "4-bit)");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == per_lane &&
+                  x.size(1) == inputs * packed.size(1) && out.dim() == 2 && out.size(0) == x.size(0) &&
                   out.size(1) == 16 * packed.size(0),
-              "linear: x [M, K], packed [N/16, K/", step, ", 16, ", step, "], out [M, N]");
+              "linear: x [M, K], packed [N/16, K/", inputs, ", 16, ", per_lane, "], out [M, N]");
   if (bias)
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == dtype && bias->numel() == out.size(1),
                 "linear: bias [N] of x's dtype");
   if (int8)
     check_scale(x, scale, out.size(1));
+  else if (int4)
+    check_groups(x, packed, scale, minimum);
   else
-    TORCH_CHECK(!scale, "linear: a scale goes with an int8 weight only");
+    TORCH_CHECK(!scale, "linear: a scale goes with an int8 or 4-bit weight only");
+  TORCH_CHECK(int4 || !minimum, "linear: a minimum goes with a 4-bit weight only");
 #if defined(__AVX512BF16__)
   if (int8 && dtype == at::kBFloat16 && x.size(1) % 2 == 0)
-    return linear_as<Int8Pairs, at::BFloat16>(x, packed, scale, bias, out);
+    return linear_as<Int8Pairs, at::BFloat16>(x, packed, scale, minimum, bias, out);
 #endif
-  if (int8 && dtype == at::kBFloat16) return linear_as<int8_t, at::BFloat16>(x, packed, scale, bias, out);
-  if (int8 && dtype == at::kHalf) return linear_as<int8_t, at::Half>(x, packed, scale, bias, out);
-  if (int8) return linear_as<int8_t, float>(x, packed, scale, bias, out);
-  if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, scale, bias, out);
-  linear_as<float>(x, packed, scale, bias, out);
+  if (int8 && dtype == at::kBFloat16) return linear_as<int8_t, at::BFloat16>(x, packed, scale, minimum, bias, out);
+  if (int8 && dtype == at::kHalf) return linear_as<int8_t, at::Half>(x, packed, scale, minimum, bias, out);
+  if (int8) return linear_as<int8_t, float>(x, packed, scale, minimum, bias, out);
+  if (int4 && dtype == at::kBFloat16) return linear_as<Int4, at::BFloat16>(x, packed, scale, minimum, bias, out);
+  if (int4 && dtype == at::kHalf) return linear_as<Int4, at::Half>(x, packed, scale, minimum, bias, out);
+  if (int4) return linear_as<Int4, float>(x, packed, scale, minimum, bias, out);
+  if (dtype == at::kBFloat16) return linear_as<at::BFloat16>(x, packed, scale, minimum, bias, out);
+  linear_as<float>(x, packed, scale, minimum, bias, out);
 }

@@ -9,7 +9,7 @@
 //
 // 16 lanes everywhere, so that every packed layout (16 outputs of a linear layer, 16 keys of a run) is the same
 // on every CPU; kVectorRegisters says how many Vec16 a tile may keep live. Loads widen float32, bfloat16,
-// float16 and int8 exactly; stores round to nearest, ties to even, as torch does. Only the dot-product
+// float16, int8 and 4-bit pairs exactly; stores round to nearest, ties to even, as torch does. Only the dot-product
 // micro-kernels that have a special instruction (AVX512-BF16's vdpbf16ps) are written outside this layer.
 #pragma once
 #include <ATen/ATen.h>
@@ -106,6 +106,14 @@ inline void widen_pairs16(const at::BFloat16* p, Vec16& first, Vec16& second) {
   const __m512i pairs = _mm512_loadu_si512(p);
   first = {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))};
   second = {_mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))))};
+}
+
+// 16 outputs' 4-bit weights of two inputs, one byte per output (input k's in the low nibble, k + 1's in the high),
+// widened to float32: input k's and input k + 1's.
+inline void widen_nibble_pairs16(const uint8_t* p, Vec16& first, Vec16& second) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  first = {_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)))};
+  second = {_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))};
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -218,6 +226,14 @@ inline void widen_pairs16(const at::BFloat16* p, Vec16& first, Vec16& second) {
   second = {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
 }
 
+inline void widen_nibble_pairs16(const uint8_t* p, Vec16& first, Vec16& second) {
+  const __m256i low_nibble = _mm256_set1_epi32(15);
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  first = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, low_nibble)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, low_nibble))};
+  second = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
+}
+
 #else
 // Plain loops over 16 floats: the compiler vectorizes them for whatever the target has (SSE on x86-64-v2).
 constexpr const char* kVectorIsa = "scalar";
@@ -277,6 +293,10 @@ inline Vec16 sum_each16(Vec16* vectors) { return each16([&](int i) { return redu
 inline void widen_pairs16(const at::BFloat16* p, Vec16& first, Vec16& second) {
   first = each16([=](int i) { return float(p[2 * i]); });
   second = each16([=](int i) { return float(p[2 * i + 1]); });
+}
+inline void widen_nibble_pairs16(const uint8_t* p, Vec16& first, Vec16& second) {
+  first = each16([=](int i) { return float(p[i] & 15); });
+  second = each16([=](int i) { return float(p[i] >> 4); });
 }
 #endif
 
