@@ -115,13 +115,16 @@ def int8_ops(cpu_ops):
     return cpu_ops
 
 
-def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, wide: torch.Tensor, bias):
+def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, wide: torch.Tensor, bias,
+                               summed: torch.Tensor | None = None):
     """Each output is the exact product with the dequantized weight ``wide`` (float32), rounded once to out's dtype,
     give or take what float32 accumulation (K roundings of the largest partial sum), an int8 scale's multiply and
-    the bias's add move it."""
+    the bias's add move it. ``summed``: what bounds each weight's terms in the kernel's sums, where it is not the
+    weight itself."""
     terms = x.double().unsqueeze(1) * wide.double().unsqueeze(0)  # [rows, N, K]
     exact = terms.sum(-1) + (0 if bias is None else bias.double())
-    magnitude = terms.abs().sum(-1) + (0 if bias is None else bias.double().abs())
+    bounds = terms if summed is None else x.double().unsqueeze(1) * summed.double().unsqueeze(0)
+    magnitude = bounds.abs().sum(-1) + (0 if bias is None else bias.double().abs())
     float32_error = magnitude * (wide.shape[1] + 2) * 2.0**-24
     bits, smallest_normal = MANTISSA_BITS[out.dtype], torch.finfo(out.dtype).smallest_normal
     unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(smallest_normal))) - bits)  # subnormals' too
@@ -149,17 +152,20 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
 @pytest.mark.parametrize("dtype", ACTIVATIONS, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (112, 160)])
 def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features):
-    """Rows 1..33 (every split of the 4-row and 8-row tiles and each remainder) and 300, partial tiles of blocks (3
-    and 7 blocks), one to five groups of 32 inputs, with and without bias, NaN in out before each call."""
+    """Rows 1..33 (every split of the 2-row, 4-row and 8-row tiles and each remainder) and 300, partial tiles of
+    blocks (3 and 7 blocks), one to five groups of 32 inputs, with and without bias, NaN in out before each call.
+    The kernel sums x (1 + q/16) per group and makes them sums of x w at the group's end: its float32 sums hold
+    terms up to x (32 scale + |min|)."""
     torch.manual_seed(out_features)
     q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
     packed, wide = pack_steps(q), dequantize_int4(q, scale, minimum)
+    summed = (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
     for rows in [*range(1, 34), 300]:
         x = torch.randn(rows, in_features, dtype=dtype)
         for bias in (None, torch.randn(out_features, dtype=dtype)):
             out = torch.full((rows, out_features), float("nan"), dtype=dtype)
             cpu_ops.linear(x, packed, *tiled_scales(q, scale, minimum), bias, out)
-            assert_dequantized_product(out, x, wide, bias)
+            assert_dequantized_product(out, x, wide, bias, summed)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -181,7 +187,8 @@ def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, 
     wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
     out = linear(wide[..., :64], q, bias, choice)
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
-    assert_dequantized_product(out.view(6, 64), wide[..., :64].reshape(6, 64), wide_weight, bias)
+    summed = None if minimum is None else (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    assert_dequantized_product(out.view(6, 64), wide[..., :64].reshape(6, 64), wide_weight, bias, summed)
 
 
 def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
@@ -213,8 +220,9 @@ def test_the_int4_kernel_refuses_what_it_cannot_read_naming_it(cpu_ops):
                           ((x, packed, step_scale, step_min[:1], None, out), "needs its minimum"),
                           ((x.to(torch.int8), packed, step_scale, step_min, None, out.to(torch.int8)),
                            "a 4-bit weight's x is float32, bfloat16 or float16"),
-                          ((x[:, :32].contiguous(), packed, step_scale, step_min, None, out), "packed \\[N/16, K/2, 16, 1\\]"),
-                          ((x[:, :16].contiguous(), torch.zeros(2, 8, 16, 1, dtype=torch.uint8), step_scale, step_min,
+                          ((x[:, :32].contiguous(), packed, step_scale, step_min, None, out),
+                           "packed \\[N/16, K/8, 16, 4\\]"),
+                          ((x[:, :16].contiguous(), torch.zeros(2, 2, 16, 4, dtype=torch.uint8), step_scale, step_min,
                             None, out), "whole groups of 32 inputs"),
                           ((x, packed, step_scale, step_min, torch.zeros(32, dtype=torch.bfloat16), out), "bias"),
                           ((x, packed, step_scale, step_min, None, out.half()), "contiguous CPU tensors")):

@@ -108,11 +108,11 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 def pack_steps(weight: torch.Tensor) -> torch.Tensor:
     """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's loads in the order it reads
     them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32 or int8. A 4-bit weight
-    [N, K/2] becomes [N/16, K/2, 16, 1]: a step is two inputs (2s, 2s + 1) in one byte per output, 2s's in the low
-    nibble."""
+    [N, K/2] becomes [N/16, K/8, 16, 4]: a step is eight inputs in one little-endian 32-bit word per output, input
+    2p's 4 bits (p = 0..3) at bits 4p, input 2p + 1's at bits 16 + 4p."""
     if weight.dtype == torch.uint8:
-        q = unpack_int4(weight.detach())
-        weight = q[:, 0::2] | (q[:, 1::2] << 4)
+        q = unpack_int4(weight.detach()).view(weight.shape[0], -1, 4, 2)  # [N, K/8, p, 2p or 2p + 1]
+        weight = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).transpose(-1, -2).reshape(weight.shape[0], -1)
     step = inputs_per_step(weight.dtype)
     out_features, in_features = weight.shape
     return weight.detach().view(out_features // 16, 16, in_features // step, step).transpose(1, 2).contiguous()
@@ -128,7 +128,8 @@ def tiled_scales(weight: torch.Tensor, scale: torch.Tensor | None,
 
 
 def inputs_per_step(dtype: torch.dtype) -> int:
-    return 2 if dtype == torch.bfloat16 else 1
+    """Elements a step of one output (its 4 bytes for a 4-bit weight)."""
+    return 2 if dtype == torch.bfloat16 else 4 if dtype == torch.uint8 else 1
 
 
 def can_pack_steps(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:

@@ -6,10 +6,9 @@
 // of the inputs: a pair of inputs (k, k+1) in bfloat16 (64 bytes), which `vdpbf16ps` (AVX512-BF16) multiplies by
 // a broadcast pair of x (without AVX512-BF16: two FMAs, see kWidens), one input k in float32 (64 bytes), which an
 // FMA multiplies by a broadcast x, or one input k in int8 (16 bytes), widened to float32 in registers and met by
-// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs), or a pair of inputs (k,
-// k+1) in 4 bits (16 bytes: one byte per output, k in the low nibble), widened and made q scale + min with its
-// group's scale and minimum (W4A16). The layout is [N/16, K/step, 16, step] ([N/16, K/2, 16, 1] bytes for 4-bit).
-// Each task computes V blocks
+// x in float32 (W8A16, docs/quantization.md; bfloat16 x in `vdpbf16ps`, see Int8Pairs), or eight inputs in 4 bits
+// (one 32-bit word per output, 64 bytes; W4A16, see Int4). The layout is [N/16, K/step, 16, step] ([N/16, K/8, 16,
+// 4] bytes for 4-bit). Each task computes V blocks
 // of 16 outputs for every row, 8 rows at a time; a block's weight stays in L2 between row chunks. The sums are
 // float32 (an int8 weight's times its output's scale at the end), then the bias is added and each output rounded
 // once to the output's dtype (to nearest, ties to even, as torch's matmul rounds). Built with the attention
@@ -57,6 +56,26 @@ struct Step<int8_t> {
   static void widen(const int8_t* w, Vec16* out) { out[0] = load16(w); }
 };
 
+// 4-bit (W4A16): a step is eight inputs of 16 outputs, one 32-bit word per output: input 2p's q (p = 0..3) at bits
+// [4p, 4p + 4), input 2p + 1's at bits [16 + 4p, 20 + 4p). Each q is widened as 1 + q/16 (exact in bfloat16 and
+// float32: two operations, where q itself takes three) and multiplied by x into partial sums per group of 32
+// inputs, which become sums of x w at the group's end (add_group): w = q scale + min = 16 scale (1 + q/16) + min -
+// 16 scale, so sum(x w) = 16 scale (partial - sum(x)) + min sum(x). Widening is the cost that limits few rows;
+// this takes a third of what converting each q to float32 and multiplying by its scale and minimum took.
+struct Int4 {
+  uint8_t byte;
+};
+template <>
+struct Step<Int4> {
+  static constexpr int inputs = 8;
+};
+template <typename W>
+constexpr bool kGrouped = false;  // a scale and a minimum per output and group of 32 inputs
+template <>
+constexpr bool kGrouped<Int4> = true;
+constexpr int64_t kStepsPerGroup = 4;
+constexpr int kNibbleAt[8] = {0, 16, 4, 20, 8, 24, 12, 28};  // the bits of each input of a step
+
 #if defined(__AVX512BF16__)
 // With AVX512-BF16 a bfloat16 step is a pair of inputs (k, k + 1), which `vdpbf16ps` multiplies by a broadcast
 // pair of x as they are: ``load`` a step's weights once per step of a tile, ``multiply_add`` them with each row's
@@ -85,8 +104,24 @@ struct Step<Int8Pairs> {
   }
   static __m512 multiply_add(__m512 sums, __m512i x, __m512bh w) { return _mm512_dpbf16_ps(sums, as_pairs(x), w); }
 };
+// A 4-bit weight times bfloat16 x where the CPU has AVX512-BF16: the pairs of inputs (2p, 2p + 1) of a step as
+// bfloat16 pairs of 1 + q/16 (q at the top of 1.0's 7-bit mantissa), which `vdpbf16ps` multiplies by a broadcast
+// pair of x, each product exact in float32.
+struct Int4Pairs {
+  uint8_t byte;
+};
+template <>
+struct Step<Int4Pairs> {
+  static constexpr int inputs = 8;
+};
+template <>
+constexpr bool kGrouped<Int4Pairs> = true;
+inline __m512bh nibble_pairs_plus_one(Nibbles16 words, int p) {
+  const __m512i q = shift_words(words.v, 3 - 4 * p);  // (q & mask) | one: vpternlogd's 0xEA
+  return as_pairs(_mm512_ternarylogic_epi32(q, _mm512_set1_epi32(0x00780078), _mm512_set1_epi32(0x3F803F80), 0xEA));
+}
 template <typename T>
-constexpr bool kPairs = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, Int8Pairs>;
+constexpr bool kPairs = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, Int8Pairs> || std::is_same_v<T, Int4Pairs>;
 #else
 // bfloat16 elsewhere: each 64-byte load of weight pairs (k, k + 1) is widened to float32 once per step of a tile
 // (input k's weights by a shift, input k + 1's by a mask), and meets x, widened to float32 before the call, in two
@@ -100,20 +135,6 @@ template <typename T>
 constexpr bool kPairs = false;
 #endif
 
-// 4-bit (W4A16): a step is two inputs (k, k + 1) of 16 outputs, one byte per output, k's 4-bit q in the low nibble;
-// widened to float32 here, then made w = q scale + min (exactly the dequantized weight: q scale is exact in
-// float32, and the sum rounded once) with the scale and minimum of the output's group of 32 inputs.
-struct Int4 {
-  uint8_t nibbles;
-};
-template <>
-struct Step<Int4> {
-  static constexpr int inputs = 2;
-  static void widen(const Int4* w, Vec16* out) { widen_nibble_pairs16(&w->nibbles, out[0], out[1]); }
-};
-template <typename W>
-constexpr bool kGrouped = std::is_same_v<W, Int4>;  // a scale and a minimum per output and group of 32 inputs
-constexpr int64_t kStepsPerGroup = 16;
 template <typename W>
 constexpr int kInputsPerElement = kGrouped<W> ? 2 : 1;
 
@@ -138,24 +159,39 @@ struct Operands {
   const W* packed;                // [N/16, K/step, 16, step]
   const float* scale;             // [N] for an int8 weight, else null
   const at::Half *group_scale, *group_min;  // [N/16, K/32, 16] for a 4-bit weight, else null
+  const float* x_sums;            // [M, K/32] for a 4-bit weight: each group's sum of x
   const T* bias;                  // [N] or null
   T* out;                         // [M, N]
   int64_t rows, steps, outputs;
 };
 
 template <typename W>
-constexpr int64_t kStepsPerLine = 64 / (kBlockStep<W> * int64_t(sizeof(W)));  // 1, or 2 and 4 for 8 and 4 bits
+constexpr int64_t kStepsPerLine = 64 / (kBlockStep<W> * int64_t(sizeof(W)));  // 1, or 2 and 4 for int8
+
+// Rows [row, row + R) of blocks [block, block + V): the sums (an int8 weight's times its scale) plus the bias,
+// rounded once to out's dtype.
+template <typename W, typename T, int R, int V>
+void store_sums(const Operands<W, T>& op, int64_t row, int64_t block, Vec16 (&sums)[R][V]) {
+  for (int v = 0; v < V; ++v) {
+    const int64_t column = (block + v) * kLanes;
+    const Vec16 bias = op.bias ? load16(op.bias + column) : zero16();
+    if constexpr (kScaled<W>) {
+      const Vec16 scale = load16(op.scale + column);
+      for (int r = 0; r < R; ++r) sums[r][v] = sums[r][v] * scale;
+    }
+    for (int r = 0; r < R; ++r) store16(op.out + (row + r) * op.outputs + column, sums[r][v] + bias);
+  }
+}
 
 // Rows [row, row + R) times packed blocks [block, block + V). At each step, each block's stream asks for the
 // weight ``ahead`` elements further on.
 template <typename W, typename T, int R, int V>
-void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
+void dense_tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
   Vec16 sums[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) sums[r][v] = zero16();
   const W* streams[V];
   for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<W>;
-  Vec16 group_scale[V], group_min[V];  // a 4-bit weight's, for the 16 steps of each group
   for (int64_t s = 0; s < op.steps; ++s) {
     if (s % kStepsPerLine<W> == 0)  // once per 64-byte line of each stream, into L2, as prefetch_block does
       for (int v = 0; v < V; ++v) __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);
@@ -173,16 +209,6 @@ void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
       constexpr int inputs = Step<W>::inputs;
       Vec16 wide[V][inputs];
       for (int v = 0; v < V; ++v) Step<W>::widen(streams[v] + s * kBlockStep<W>, wide[v]);
-      if constexpr (kGrouped<W>) {
-        if (s % kStepsPerGroup == 0)
-          for (int v = 0; v < V; ++v) {
-            const int64_t group = ((block + v) * (op.steps / kStepsPerGroup) + s / kStepsPerGroup) * kLanes;
-            group_scale[v] = load16(op.group_scale + group);
-            group_min[v] = load16(op.group_min + group);
-          }
-        for (int v = 0; v < V; ++v)
-          for (int i = 0; i < inputs; ++i) wide[v][i] = fma16(wide[v][i], group_scale[v], group_min[v]);
-      }
       const float* x = op.x + (row * op.steps + s) * inputs;  // row r's inputs: x[r inputs steps + i]
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < inputs; ++i) {
@@ -191,15 +217,80 @@ void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
         }
     }
   }
-  for (int v = 0; v < V; ++v) {
-    const int64_t column = (block + v) * kLanes;
-    const Vec16 bias = op.bias ? load16(op.bias + column) : zero16();
-    if constexpr (kScaled<W>) {
-      const Vec16 scale = load16(op.scale + column);
-      for (int r = 0; r < R; ++r) sums[r][v] = sums[r][v] * scale;
+  store_sums<W, T, R, V>(op, row, block, sums);
+}
+
+// One step of a 4-bit weight: each row's x times 1 + q/16 of each block, added into ``partial``.
+template <typename W, typename T, int R, int V>
+void multiply_add_nibbles(const Operands<W, T>& op, int64_t row, int64_t s, const W* const* streams,
+                          Vec16 (&partial)[R][V]) {
+  Nibbles16 words[V];
+  for (int v = 0; v < V; ++v) words[v] = load_nibbles16(&streams[v][s * kBlockStep<W>].byte);
+  if constexpr (kPairs<W>) {
+#if defined(__AVX512BF16__)
+    const int32_t* x = reinterpret_cast<const int32_t*>(op.x) + (row * op.steps + s) * 4;  // an int32: two inputs
+    for (int p = 0; p < 4; ++p) {
+      __m512bh pairs[V];
+      for (int v = 0; v < V; ++v) pairs[v] = nibble_pairs_plus_one(words[v], p);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh broadcast = as_pairs(_mm512_set1_epi32(x[r * op.steps * 4 + p]));
+        for (int v = 0; v < V; ++v) partial[r][v].v = _mm512_dpbf16_ps(partial[r][v].v, broadcast, pairs[v]);
+      }
     }
-    for (int r = 0; r < R; ++r) store16(op.out + (row + r) * op.outputs + column, sums[r][v] + bias);
+#endif
+  } else {
+    const float* x = op.x + (row * op.steps + s) * 8;  // row r's inputs: x[r 8 steps + i]
+    for (int i = 0; i < 8; ++i) {
+      Vec16 wide[V];
+      for (int v = 0; v < V; ++v) wide[v] = nibble_plus_one16(words[v], kNibbleAt[i]);
+      for (int r = 0; r < R; ++r) {
+        const Vec16 broadcast = broadcast16(x[r * op.steps * 8 + i]);
+        for (int v = 0; v < V; ++v) partial[r][v] = fma16(broadcast, wide[v], partial[r][v]);
+      }
+    }
   }
+}
+
+// A group's partial sums of x (1 + q/16) made sums of x w and added: 16 scale (partial - sum(x)) + min sum(x).
+template <typename W, typename T, int R, int V>
+void add_group(const Operands<W, T>& op, int64_t row, int64_t block, int64_t group, Vec16 (&partial)[R][V],
+               Vec16 (&sums)[R][V]) {
+  const int64_t groups = op.steps / kStepsPerGroup;
+  for (int v = 0; v < V; ++v) {
+    const int64_t at = ((block + v) * groups + group) * kLanes;
+    const Vec16 scale = load16(op.group_scale + at) * broadcast16(16.f), minimum = load16(op.group_min + at);
+    for (int r = 0; r < R; ++r) {
+      const Vec16 x_sum = broadcast16(op.x_sums[(row + r) * groups + group]);
+      sums[r][v] = fma16(x_sum, minimum, fma16(partial[r][v] - x_sum, scale, sums[r][v]));
+    }
+  }
+}
+
+template <typename W, typename T, int R, int V>
+void grouped_tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
+  Vec16 sums[R][V], partial[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) sums[r][v] = zero16();
+  const W* streams[V];
+  for (int v = 0; v < V; ++v) streams[v] = op.packed + (block + v) * op.steps * kBlockStep<W>;
+  for (int64_t group = 0; group < op.steps / kStepsPerGroup; ++group) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) partial[r][v] = zero16();
+    for (int64_t s = group * kStepsPerGroup; s < (group + 1) * kStepsPerGroup; ++s) {
+      for (int v = 0; v < V; ++v) __builtin_prefetch(streams[v] + s * kBlockStep<W> + ahead, 0, 2);  // a line a step
+      multiply_add_nibbles<W, T, R, V>(op, row, s, streams, partial);
+    }
+    add_group<W, T, R, V>(op, row, block, group, partial, sums);
+  }
+  store_sums<W, T, R, V>(op, row, block, sums);
+}
+
+template <typename W, typename T, int R, int V>
+void tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ahead) {
+  if constexpr (kGrouped<W>)
+    grouped_tile<W, T, R, V>(op, row, block, ahead);
+  else
+    dense_tile<W, T, R, V>(op, row, block, ahead);
 }
 
 // The last rows (fewer than a chunk) as one tile of exactly that many (only those that fit in registers are
@@ -263,18 +354,24 @@ void run(const Operands<W, T>& op) {
   });
 }
 
+// The sum of each group of 32 of ``count`` inputs (as the kernel reads them: bfloat16 x widened exactly).
+template <typename X>
+std::vector<float> group_sums(const X* x, int64_t count) {
+  std::vector<float> sums(count / 32);
+  for (size_t g = 0; g < sums.size(); ++g) sums[g] = reduce_add16(load16(x + 32 * g) + load16(x + 32 * g + 16));
+  return sums;
+}
+
 // The tile shape for a call's rows.
 template <typename W, typename T>
 void run_in_tiles(const Operands<W, T>& op) {
   if constexpr (kGrouped<W>) {
-    // A 4-bit tile keeps each block's group scale and minimum live beside its two widened inputs (4 Vec16 a block
-    // besides its rows' sums): fewer blocks a tile than int8's, so that they stay in registers.
+    // A 4-bit tile keeps two Vec16 a row and block (the sums and the group's partial sums).
     if constexpr (kVectorRegisters >= 32) {
-      if (op.rows <= 4) return run<W, T, 4>(op);
-      run<W, T, 2>(op);
-    } else {
-      run<W, T, 1>(op);
+      if (op.rows <= 2) return run<W, T, 4>(op);
+      if (op.rows <= 4) return run<W, T, 3>(op);
     }
+    run<W, T, 1>(op);
   } else {
     // An int8 step is 16 or 32 bytes a stream, and widening it costs more than its multiply: 4 streams read them
     // at the memory's speed at one row, where 8 ran slower (docs/quantization.md).
@@ -294,11 +391,13 @@ void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optiona
                const at::Tensor& out) {
   const at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
   const bool grouped = kGrouped<W>;
+  const std::vector<float> x_sums = grouped ? group_sums(input.data_ptr<Input<W>>(), x.numel()) : std::vector<float>();
   run_in_tiles(Operands<W, T>{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
                               scale && !grouped ? scale->data_ptr<float>() : nullptr,
                               grouped ? scale->data_ptr<at::Half>() : nullptr,
-                              grouped ? minimum->data_ptr<at::Half>() : nullptr, bias ? bias->data_ptr<T>() : nullptr,
-                              out.data_ptr<T>(), x.size(0), x.size(1) / Step<W>::inputs, out.size(1)});
+                              grouped ? minimum->data_ptr<at::Half>() : nullptr, x_sums.data(),
+                              bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0),
+                              x.size(1) / Step<W>::inputs, out.size(1)});
 }
 
 bool multiplies(at::ScalarType dtype) {
@@ -342,14 +441,14 @@ std::vector<std::string> linear_dtypes() {
 }
 
 // x: [M, K], contiguous; packed: [N/16, K/step, 16, step] (step 2 for bfloat16, 1 for float32 and int8), or for a
-// 4-bit weight uint8 [N/16, K/2, 16, 1] (each byte two inputs); scale: [N] float32 for an int8 weight, float16
+// 4-bit weight uint8 [N/16, K/8, 16, 4] (each lane's 4 bytes eight inputs, see Int4); scale: [N] float32 for an int8 weight, float16
 // [N/16, K/32, 16] for a 4-bit one, else None; minimum: a 4-bit weight's, as its scale, else None; bias: [N] or
 // None; out: [M, N], contiguous. x, bias and out share one dtype, the weight's unless the weight is int8 or 4-bit.
 void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
             const c10::optional<at::Tensor>& minimum, const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
   const at::ScalarType weight_dtype = packed.scalar_type(), dtype = x.scalar_type();
   const bool int8 = weight_dtype == at::kChar, int4 = weight_dtype == at::kByte;
-  const int64_t per_lane = weight_dtype == at::kBFloat16 ? 2 : 1, inputs = int4 ? 2 : per_lane;
+  const int64_t per_lane = weight_dtype == at::kBFloat16 ? 2 : int4 ? 4 : 1, inputs = int4 ? 8 : per_lane;
   TORCH_CHECK(multiplies(weight_dtype), "linear: this build does not multiply ", weight_dtype, " weights");
   for (const at::Tensor* t : {&x, &packed, &out})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && (t == &packed || t->scalar_type() == dtype) &&
@@ -373,6 +472,7 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<a
 #if defined(__AVX512BF16__)
   if (int8 && dtype == at::kBFloat16 && x.size(1) % 2 == 0)
     return linear_as<Int8Pairs, at::BFloat16>(x, packed, scale, minimum, bias, out);
+  if (int4 && dtype == at::kBFloat16) return linear_as<Int4Pairs, at::BFloat16>(x, packed, scale, minimum, bias, out);
 #endif
   if (int8 && dtype == at::kBFloat16) return linear_as<int8_t, at::BFloat16>(x, packed, scale, minimum, bias, out);
   if (int8 && dtype == at::kHalf) return linear_as<int8_t, at::Half>(x, packed, scale, minimum, bias, out);
