@@ -355,6 +355,8 @@ def test_the_options_errors_name_quantization(sharp_tiny_model, monkeypatch):
     monkeypatch.setattr("nanoengine.platforms.cpu.load_cpu_kernels", lambda: None)  # no compiler
     with pytest.raises(ValueError, match="quantization='int8': this machine's CPU kernels cannot multiply int8"):
         CpuPlatform("cpu", "int8")
+    with pytest.raises(ValueError, match="quantization='int4': this machine's CPU kernels cannot multiply int4"):
+        CpuPlatform("cpu", "int4")
 
 
 def test_the_command_line_takes_quantization(sharp_tiny_model):
