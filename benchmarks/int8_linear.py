@@ -1,6 +1,6 @@
-"""The linear kernel per call, bfloat16 weights against int8 (W8A16), with each weight read from memory as in a
-decode step of a model larger than the caches: each call takes the next of enough copies of the weight to pass
-256 MiB. Kernel level only (bench.py measures the engine).
+"""The linear kernel per call, bfloat16 weights against int8 (W8A16) and 4-bit (W4A16, groups of 32), with each
+weight read from memory as in a decode step of a model larger than the caches: each call takes the next of enough
+copies of the weight to pass 256 MiB in bfloat16. Kernel level only (bench.py measures the engine).
 
     python benchmarks/int8_linear.py [--rows 1 8 32] [--rounds 7] [--threads N]
 """
@@ -13,6 +13,7 @@ import torch
 
 from nanoengine.platforms.cpu.build import load_cpu_kernels
 from nanoengine.platforms.cpu.linear import linear, only_kernel
+from nanoengine.platforms.cpu.quantize import quantize_int4
 from nanoengine.quantization import quantize
 from nanoengine.utils.cpu_info import cpu_model
 
@@ -42,21 +43,26 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu_ops = load_cpu_kernels()
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads; ms per call (bfloat16 -> int8, speed-up)")
+    print(f"{cpu_model()}, {cpu_ops.vector_isa()} kernels, {torch.get_num_threads()} threads; ms per call "
+          "(bfloat16 / int8 / int4; int8's and int4's speed-up over bfloat16, int4's over int8)")
     print("| shape | " + " | ".join(f"{rows} rows" for rows in args.rows) + " |")
     print("| --- |" + " ---: |" * len(args.rows))
     for name, (out_features, in_features) in SHAPES.items():
         copies = max(2, BYTES_READ // (2 * out_features * in_features))
         bf16 = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(copies)]
         int8 = [quantize(weight) for weight in bf16]
+        int4 = [quantize_int4(weight) for weight in bf16]
         bf16_choices = [only_kernel(weight, "tiled", cpu_ops) for weight in bf16]
         int8_choices = [only_kernel(q, "tiled", cpu_ops, scale) for q, scale in int8]
+        int4_choices = [only_kernel(q, "tiled", cpu_ops, scale, minimum) for q, scale, minimum in int4]
         cells = []
         for rows in args.rows:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-            before = per_call_ms(bf16_choices, bf16, x, args.rounds)
-            after = per_call_ms(int8_choices, [q for q, _ in int8], x, args.rounds)
-            cells.append(f"{before:.3f} -> {after:.3f} ({before / after:.2f}x)")
+            bf16_ms = per_call_ms(bf16_choices, bf16, x, args.rounds)
+            int8_ms = per_call_ms(int8_choices, [q for q, _ in int8], x, args.rounds)
+            int4_ms = per_call_ms(int4_choices, [q for q, _, _ in int4], x, args.rounds)
+            cells.append(f"{bf16_ms:.3f} / {int8_ms:.3f} / {int4_ms:.3f} ({bf16_ms / int8_ms:.2f}x, "
+                         f"{bf16_ms / int4_ms:.2f}x; {int8_ms / int4_ms:.2f}x)")
         print(f"| {name} {out_features}x{in_features} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -291,7 +291,7 @@ def test_the_linear_kernel_gives_the_exact_product_rounded_once(cpu_ops, dtype, 
     x = torch.randn(rows, in_features, dtype=dtype)
     for bias in (None, torch.randn(out_features, dtype=dtype)):
         out = torch.full((rows, out_features), float("nan"), dtype=dtype)
-        cpu_ops.linear(x, linear_module.pack_steps(weight), None, bias, out)
+        cpu_ops.linear(x, linear_module.pack_steps(weight), None, None, bias, out)
         assert_rounded_exact_product(out, x, weight, bias)
 
 
@@ -303,10 +303,10 @@ def test_the_linear_kernel_cuts_an_x_larger_than_l2_into_panels_that_change_no_b
     weight, bias = torch.randn(112, 576, dtype=dtype), torch.randn(112, dtype=dtype)
     x, packed = torch.randn(1601, 576, dtype=dtype), linear_module.pack_steps(weight)
     out = torch.full((1601, 112), float("nan"), dtype=dtype)
-    cpu_ops.linear(x, packed, None, bias, out)
+    cpu_ops.linear(x, packed, None, None, bias, out)
     for first in range(0, 1601, 33):
         rows = torch.full((min(33, 1601 - first), 112), float("nan"), dtype=dtype)
-        cpu_ops.linear(x[first:first + 33], packed, None, bias, rows)
+        cpu_ops.linear(x[first:first + 33], packed, None, None, bias, rows)
         assert torch.equal(out[first:first + 33], rows)
     assert_rounded_exact_product(out[::50], x[::50], weight, bias)
 
@@ -337,4 +337,4 @@ def test_the_linear_kernel_refuses_what_it_cannot_read(cpu_ops):
                     (torch.randn(3, 16)[:, ::2], out), (torch.randn(3, 8), torch.empty(3, 16)),
                     (torch.randn(3, 8, dtype=torch.float16), out.half())):
         with pytest.raises(RuntimeError, match="linear"):
-            cpu_ops.linear(x, packed, None, None, into)
+            cpu_ops.linear(x, packed, None, None, None, into)

@@ -90,6 +90,13 @@ def test_the_layers_in_one_call_take_int8_weights(tiny_model):
     assert check_layers_in_one_call(folder, hf_model, "bfloat16", quantization="int8") >= {"decode", "prompt"}
 
 
+def test_the_layers_in_one_call_take_int4_weights(tiny_model):
+    """quantization="int4": each linear layer's 4-bit weight, group scales and minimums, the same bits as the
+    layers' forward."""
+    _, folder, hf_model = tiny_model
+    assert check_layers_in_one_call(folder, hf_model, "bfloat16", quantization="int4") >= {"decode", "prompt"}
+
+
 def test_the_layers_in_one_call_add_every_attention_bias(tmp_path, smollm2_dir):
     check_layers_in_one_call(str(tmp_path), build_tiny_model("llama", tmp_path, smollm2_dir, attention_bias=True),
                              "float32")

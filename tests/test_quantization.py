@@ -1,5 +1,6 @@
-"""int8 weights (quantization="int8", platforms/cpu/quantize.py): the quantizer, cpu_linear.cpp's W8A16 kernel
-against the dequantized weight's exact product, and the engine against float32 and bfloat16 runs."""
+"""int8 and 4-bit weights (quantization="int8" and "int4", platforms/cpu/quantize.py): the quantizers,
+cpu_linear.cpp's W8A16 and W4A16 kernels against the dequantized weight's exact product, and the engine against
+float32 and bfloat16 runs."""
 
 import argparse
 import json
@@ -18,7 +19,7 @@ from nanoengine.layers.linear import LinearBase
 from nanoengine.platforms.cpu import CpuPlatform
 from nanoengine.platforms.cpu import linear as linear_module
 from nanoengine.platforms.cpu.build import load_cpu_kernels
-from nanoengine.platforms.cpu.linear import linear, only_kernel
+from nanoengine.platforms.cpu.linear import choose_linear_kernels, linear, only_kernel, pack_steps, tiled_scales
 from nanoengine.platforms.cpu.quantize import dequantize, dequantize_int4, quantize_int4, quantize_linear_layers
 from nanoengine.quantization import quantize
 
@@ -108,13 +109,17 @@ def cpu_ops():
     return kernels
 
 
-def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias):
-    """Each output is the exact product with the dequantized weight, rounded once to out's dtype, give or take what
-    float32 accumulation (K roundings of the largest partial sum), the scale's multiply and the bias's add move it."""
-    terms = x.double().unsqueeze(1) * dequantize(q, scale).double().unsqueeze(0)  # [rows, N, K]
+def assert_dequantized_product(out: torch.Tensor, x: torch.Tensor, wide: torch.Tensor, bias,
+                               summed: torch.Tensor | None = None):
+    """Each output is the exact product with the dequantized weight ``wide`` (float32), rounded once to out's dtype,
+    give or take what float32 accumulation (K roundings of the largest partial sum), an int8 scale's multiply and
+    the bias's add move it. ``summed``: what bounds each weight's terms in the kernel's sums, where it is not the
+    weight itself."""
+    terms = x.double().unsqueeze(1) * wide.double().unsqueeze(0)  # [rows, N, K]
     exact = terms.sum(-1) + (0 if bias is None else bias.double())
-    magnitude = terms.abs().sum(-1) + (0 if bias is None else bias.double().abs())
-    float32_error = magnitude * (q.shape[1] + 2) * 2.0**-24
+    bounds = terms if summed is None else x.double().unsqueeze(1) * summed.double().unsqueeze(0)
+    magnitude = bounds.abs().sum(-1) + (0 if bias is None else bias.double().abs())
+    float32_error = magnitude * (wide.shape[1] + 2) * 2.0**-24
     bits, smallest_normal = MANTISSA_BITS[out.dtype], torch.finfo(out.dtype).smallest_normal
     unit = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(smallest_normal))) - bits)  # subnormals' too
     assert not out.isnan().any()
@@ -134,40 +139,89 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
         x = torch.randn(rows, in_features, dtype=dtype)
         for bias in (None, torch.randn(out_features, dtype=dtype)):
             out = torch.full((rows, out_features), float("nan"), dtype=dtype)
-            ops.linear(x, packed, scale, bias, out)
-            assert_dequantized_product(out, x, q, scale, bias)
+            ops.linear(x, packed, scale, None, bias, out)
+            assert_dequantized_product(out, x, dequantize(q, scale), bias)
 
 
+@pytest.mark.parametrize("dtype", ACTIVATIONS, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (112, 160)])
+def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features):
+    """Rows 1..33 (every split of the 2-row, 4-row and 8-row tiles and each remainder) and 300, partial tiles of
+    blocks (3 and 7 blocks), one to five groups of 32 inputs, with and without bias, NaN in out before each call.
+    The kernel sums x (1 + q/16) per group and makes them sums of x w at the group's end: its float32 sums hold
+    terms up to x (32 scale + |min|)."""
+    torch.manual_seed(out_features)
+    q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
+    packed, wide = pack_steps(q), dequantize_int4(q, scale, minimum)
+    summed = (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    for rows in [*range(1, 34), 300]:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        for bias in (None, torch.randn(out_features, dtype=dtype)):
+            out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+            cpu_ops.linear(x, packed, *tiled_scales(q, scale, minimum), bias, out)
+            assert_dequantized_product(out, x, wide, bias, summed)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("kernel", ["tiled", "float32", "torch"])
-def test_every_int8_kernel_through_linear_takes_views_and_batches(cpu_ops, kernel):
+def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, kind, kernel):
     """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
     ops = cpu_ops
     torch.manual_seed(2)
-    q, scale = quantize(torch.randn(64, 40))
+    if kind == "int8":
+        q, scale = quantize(torch.randn(64, 64))
+        minimum, wide_weight = None, dequantize(q, scale)
+    else:
+        q, scale, minimum = quantize_int4(torch.randn(64, 64))
+        wide_weight = dequantize_int4(q, scale, minimum)
     bias = torch.randn(64, dtype=torch.bfloat16)
-    choice = only_kernel(q, kernel, ops, scale)
+    choice = only_kernel(q, kernel, ops, scale, minimum)
     if choice.scratch is not None:
         choice.scratch.fill_(float("nan"))
     wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
-    out = linear(wide[..., :40], q, bias, choice)
+    out = linear(wide[..., :64], q, bias, choice)
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
-    assert_dequantized_product(out.view(6, 64), wide[..., :40].reshape(6, 40), q, scale, bias)
+    summed = None if minimum is None else (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    assert_dequantized_product(out.view(6, 64), wide[..., :64].reshape(6, 64), wide_weight, bias, summed)
 
 
 def test_the_int8_kernel_refuses_what_it_cannot_read(cpu_ops):
     ops = cpu_ops
     q, scale = quantize(torch.randn(32, 8))
     packed, x, out = linear_module.pack_steps(q), torch.randn(3, 8), torch.empty(3, 32)
-    for args, message in (((x, packed, None, None, out), "needs its scale"),
-                          ((x, packed, scale[:16], None, out), "needs its scale"),
-                          ((x, packed, scale.double(), None, out), "needs its scale"),
-                          ((x.to(torch.int8), packed, scale, None, out.to(torch.int8)), "float32, bfloat16 or float16"),
-                          ((x, packed, scale, None, out.bfloat16()), "contiguous CPU tensors"),
-                          ((x, packed, scale, torch.zeros(32, dtype=torch.bfloat16), out), "bias"),
-                          ((x, linear_module.pack_steps(torch.randn(32, 8)), scale, None, out),
-                           "goes with an int8 weight only")):
+    for args, message in (((x, packed, None, None, None, out), "needs its scale"),
+                          ((x, packed, scale[:16], None, None, out), "needs its scale"),
+                          ((x, packed, scale.double(), None, None, out), "needs its scale"),
+                          ((x.to(torch.int8), packed, scale, None, None, out.to(torch.int8)),
+                           "float32, bfloat16 or float16"),
+                          ((x, packed, scale, None, None, out.bfloat16()), "contiguous CPU tensors"),
+                          ((x, packed, scale, None, torch.zeros(32, dtype=torch.bfloat16), out), "bias"),
+                          ((x, packed, scale, scale, None, out), "a minimum goes with a 4-bit weight only"),
+                          ((x, linear_module.pack_steps(torch.randn(32, 8)), scale, None, None, out),
+                           "a scale goes with an int8 or 4-bit weight only")):
         with pytest.raises(RuntimeError, match=message):
             ops.linear(*args)
+
+
+def test_the_int4_kernel_refuses_what_it_cannot_read_naming_it(cpu_ops):
+    q, scale, minimum = quantize_int4(torch.randn(32, 64))
+    packed, (step_scale, step_min) = pack_steps(q), tiled_scales(q, scale, minimum)
+    x, out = torch.randn(3, 64), torch.empty(3, 32)
+    for args, message in (((x, packed, None, step_min, None, out), "needs its scale, float16 \\[N/16, K/32, 16\\]"),
+                          ((x, packed, scale, step_min, None, out), "needs its scale"),  # not packed for the kernel
+                          ((x, packed, step_scale.float(), step_min, None, out), "needs its scale"),
+                          ((x, packed, step_scale, None, None, out), "needs its minimum"),
+                          ((x, packed, step_scale, step_min[:1], None, out), "needs its minimum"),
+                          ((x.to(torch.int8), packed, step_scale, step_min, None, out.to(torch.int8)),
+                           "a 4-bit weight's x is float32, bfloat16 or float16"),
+                          ((x[:, :32].contiguous(), packed, step_scale, step_min, None, out),
+                           "packed \\[N/16, K/8, 16, 4\\]"),
+                          ((x[:, :16].contiguous(), torch.zeros(2, 2, 16, 4, dtype=torch.uint8), step_scale, step_min,
+                            None, out), "whole groups of 32 inputs"),
+                          ((x, packed, step_scale, step_min, torch.zeros(32, dtype=torch.bfloat16), out), "bias"),
+                          ((x, packed, step_scale, step_min, None, out.half()), "contiguous CPU tensors")):
+        with pytest.raises(RuntimeError, match=message):
+            cpu_ops.linear(*args)
 
 
 def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops):
@@ -175,6 +229,8 @@ def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops)
     ops = cpu_ops
     assert linear_module.kernels_for(torch.zeros(64, 41, dtype=torch.int8), ops) == ("torch", "float32", "tiled")
     assert linear_module.kernels_for(torch.zeros(40, 64, dtype=torch.int8), ops) == ("torch", "float32")
+    assert linear_module.kernels_for(torch.zeros(64, 16, dtype=torch.uint8), ops) == ("torch", "float32", "tiled")
+    assert linear_module.kernels_for(torch.zeros(40, 16, dtype=torch.uint8), ops) == ("torch", "float32")
 
 
 # The engine -----------------------------------------------------------------------------------------------------------
@@ -229,6 +285,30 @@ def test_int4_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2
         assert row == pytest.approx(expected, abs=2e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_weights_in_our_kernel_give_what_they_give_dequantized_into_float32(qwen2_dirs, dtype):
+    """quantization="int4" with every linear layer on cpu_linear.cpp's 4-bit kernel (and the decoder layers in one
+    call), against the same engine with each weight dequantized into the float32 scratch buffer."""
+    (tokens, logprobs), (expected_tokens, expected_logprobs) = (
+        run_with_kernel(qwen2_dirs["original"], kernel, dtype=dtype, quantization="int4")
+        for kernel in ("tiled", "float32"))
+    assert tokens == expected_tokens
+    for row, expected in zip(logprobs, expected_logprobs):
+        assert row == pytest.approx(expected, abs=2e-4 if dtype == "float32" else 0.1)
+
+
+def run_with_kernel(folder: str, kernel: str, **options) -> tuple[list[list[int]], list[list[float]]]:
+    """``run`` with every linear layer forced onto ``kernel``."""
+    with LLM(folder, **ENGINE, **options) as llm:
+        runner = llm.llm_engine.model_executor.runner
+        choose_linear_kernels(runner.model, kernel, runner.platform.kernels)
+        runner.fast_path = runner.capture_fast_path()
+        assert (runner.fast_path is not None) == (kernel == "tiled")
+        completions = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return ([c.token_ids for c in completions],
+            [[entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)] for c in completions])
+
+
 def test_int8_weights_agree_with_bfloat16_where_bfloat16_is_sure(sharp_tiny_model):
     """Greedy tokens agree with bfloat16's until a step whose two best bfloat16 logprobs are near: there int8's
     error may pick the other (the message shows the gap). This random model's large weights make its logits large,
@@ -269,6 +349,8 @@ def test_the_options_errors_name_quantization(sharp_tiny_model, monkeypatch):
     monkeypatch.setattr("nanoengine.platforms.cpu.load_cpu_kernels", lambda: None)  # no compiler
     with pytest.raises(ValueError, match="quantization='int8': this machine's CPU kernels cannot multiply int8"):
         CpuPlatform("cpu", "int8")
+    with pytest.raises(ValueError, match="quantization='int4': this machine's CPU kernels cannot multiply int4"):
+        CpuPlatform("cpu", "int4")
 
 
 def test_the_command_line_takes_quantization(sharp_tiny_model):

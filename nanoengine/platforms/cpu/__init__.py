@@ -37,7 +37,7 @@ class CpuPlatform(Platform):
         # The C++ extension comes with the cpu attention backend (the torch and triton backends run without it).
         self.kernels = load_cpu_kernels() if attention_backend == "cpu" else None
         self.quantization = quantization
-        if quantization == "int8" and (self.kernels is None or quantization not in self.kernels.linear_dtypes()):
+        if quantization is not None and (self.kernels is None or quantization not in self.kernels.linear_dtypes()):
             raise ValueError(f"quantization={quantization!r}: this machine's CPU kernels cannot multiply "
                              f"{quantization} weights (they need a C++ compiler: see the warning above); "
                              "leave quantization unset")

@@ -19,7 +19,7 @@ from nanoengine.distributed import all_reduce, gather_on_rank0
 from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase, RowParallelLinear
 from nanoengine.platforms.cpu.build import build_dir
-from nanoengine.platforms.cpu.quantize import dequantize_int4, in_features_of
+from nanoengine.platforms.cpu.quantize import dequantize_int4, in_features_of, unpack_int4
 from nanoengine.utils.cpu_info import cpu_model
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class KernelChoice:
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
     scale: torch.Tensor | None = None  # an int8 weight's float32 scale per output, a 4-bit one's per group
     minimum: torch.Tensor | None = None  # a 4-bit weight's minimum per group (quantize.py)
+    steps_scale: torch.Tensor | None = None  # ``scale`` as "tiled" reads it (tiled_scales)
+    steps_min: torch.Tensor | None = None  # ``minimum`` as "tiled" reads it
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -65,7 +67,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, choice.packed, bias, "none", [None], "")
     if kernel == "tiled":
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-        choice.cpu_ops.linear(rows.contiguous(), choice.steps, choice.scale, bias, out)
+        choice.cpu_ops.linear(rows.contiguous(), choice.steps, choice.steps_scale, choice.steps_min, bias, out)
         return out.view(*x.shape[:-1], weight.shape[0])
     if kernel == "float32" or choice.scale is not None:  # a quantized weight's "torch" too: the oracle's math
         shape = (weight.shape[0], in_features_of(weight))
@@ -105,18 +107,34 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_steps(weight: torch.Tensor) -> torch.Tensor:
     """A copy of ``weight`` [N, K] as [N/16, K/step, 16, step], cpu_linear.cpp's loads in the order it reads
-    them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32 or int8."""
+    them: a step is two inputs in bfloat16 (what one dpbf16 multiplies), one in float32 or int8. A 4-bit weight
+    [N, K/2] becomes [N/16, K/8, 16, 4]: a step is eight inputs in one little-endian 32-bit word per output, input
+    2p's 4 bits (p = 0..3) at bits 4p, input 2p + 1's at bits 16 + 4p."""
+    if weight.dtype == torch.uint8:
+        q = unpack_int4(weight.detach()).view(weight.shape[0], -1, 4, 2)  # [N, K/8, p, 2p or 2p + 1]
+        weight = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).transpose(-1, -2).reshape(weight.shape[0], -1)
     step = inputs_per_step(weight.dtype)
     out_features, in_features = weight.shape
     return weight.detach().view(out_features // 16, 16, in_features // step, step).transpose(1, 2).contiguous()
 
 
+def tiled_scales(weight: torch.Tensor, scale: torch.Tensor | None,
+                 minimum: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What cpu_linear.cpp takes beside ``pack_steps(weight)``: an int8 weight's scale as it is; a 4-bit weight's
+    scale and minimum [N, K/32] as [N/16, K/32, 16], a block's 16 outputs side by side for each group."""
+    if weight.dtype != torch.uint8:
+        return scale, None
+    return tuple(t.view(t.shape[0] // 16, 16, -1).transpose(1, 2).contiguous() for t in (scale, minimum))
+
+
 def inputs_per_step(dtype: torch.dtype) -> int:
-    return 2 if dtype == torch.bfloat16 else 1
+    """Elements a step of one output (its 4 bytes for a 4-bit weight)."""
+    return 2 if dtype == torch.bfloat16 else 4 if dtype == torch.uint8 else 1
 
 
 def can_pack_steps(weight: torch.Tensor, cpu_ops: ModuleType | None) -> bool:
-    return (cpu_ops is not None and str(weight.dtype).removeprefix("torch.") in cpu_ops.linear_dtypes()
+    name = "int4" if weight.dtype == torch.uint8 else str(weight.dtype).removeprefix("torch.")  # linear_dtypes()'s
+    return (cpu_ops is not None and name in cpu_ops.linear_dtypes()
             and weight.shape[0] % 16 == 0 and weight.shape[1] % inputs_per_step(weight.dtype) == 0)
 
 
@@ -146,10 +164,19 @@ def choose_linear_kernels(model: nn.Module, kernel: str = "auto", cpu_ops: Modul
     scratch = torch.empty(max(widened_sizes), dtype=torch.float32) if widened_sizes else None
     for module in layers:
         used_at, scale = choices[shape_key(module.weight, x_dtype)], getattr(module, "weight_scale", None)
-        module.kernel_choice = None if set(used_at) == {"torch"} and scale is None else KernelChoice(
-            used_at, pack_for_onednn(module.weight) if "onednn" in used_at else None, scratch,
-            pack_steps(module.weight) if "tiled" in used_at else None, cpu_ops, scale,
-            getattr(module, "weight_min", None))
+        module.kernel_choice = None if set(used_at) == {"torch"} and scale is None else kernel_choice(
+            module.weight, used_at, cpu_ops, scratch, scale, getattr(module, "weight_min", None))
+
+
+def kernel_choice(weight: torch.Tensor, used_at: tuple[str, ...], cpu_ops: ModuleType | None,
+                  scratch: torch.Tensor | None, scale: torch.Tensor | None = None,
+                  minimum: torch.Tensor | None = None) -> KernelChoice:
+    """The kernels ``used_at`` each row bucket for this weight (a quantized one with its ``scale``, and
+    ``minimum``), with the packed copies they read."""
+    tiled = "tiled" in used_at
+    return KernelChoice(used_at, pack_for_onednn(weight) if "onednn" in used_at else None, scratch,
+                        pack_steps(weight) if tiled else None, cpu_ops, scale, minimum,
+                        *(tiled_scales(weight, scale, minimum) if tiled else (None, None)))
 
 
 def shape_key(weight: torch.Tensor, x_dtype: torch.dtype) -> str:
@@ -225,9 +252,8 @@ def only_kernel(weight: torch.Tensor, kernel: str, cpu_ops: ModuleType | None = 
     """``kernel`` for this weight (a quantized one with its ``scale``, and ``minimum``) at every row count, with what
     it needs."""
     wide = weight.shape[0] * in_features_of(weight)
-    return KernelChoice((kernel,) * len(ROW_BUCKETS), pack_for_onednn(weight) if kernel == "onednn" else None,
-                        torch.empty(wide, dtype=torch.float32) if kernel == "float32" else None,
-                        pack_steps(weight) if kernel == "tiled" else None, cpu_ops, scale, minimum)
+    return kernel_choice(weight, (kernel,) * len(ROW_BUCKETS), cpu_ops,
+                         torch.empty(wide, dtype=torch.float32) if kernel == "float32" else None, scale, minimum)
 
 
 def use_linear_kernels(model: nn.Module, cpu_ops: ModuleType | None) -> None:

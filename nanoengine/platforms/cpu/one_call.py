@@ -65,12 +65,11 @@ def layer_caches(attn: Attention) -> list[torch.Tensor]:
 
 
 def layer_weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
-    """A layer's weights in cpu_decoder.cpp's order (the linear layers' packed for cpu_linear.cpp, with their
-    scales where they are int8)."""
+    """A layer's weights in cpu_decoder.cpp's order (the linear layers' packed for cpu_linear.cpp, each followed by
+    its scale and minimum: the scale where it is int8 or 4-bit, the minimum where it is 4-bit)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = (None if norm is None else norm.weight for norm in (attention.q_norm, attention.k_norm))
-    (qkv, qkv_scale), (o, o_scale), (gate_up, gate_up_scale), (down, down_scale) = (
-        (getattr(m.kernel_choice, "steps", None), getattr(m.kernel_choice, "scale", None))
-        for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
-    return [layer.input_layernorm.weight, qkv, qkv_scale, attention.qkv_proj.bias, q_norm, k_norm, o, o_scale,
-            attention.o_proj.bias, layer.post_attention_layernorm.weight, gate_up, gate_up_scale, down, down_scale]
+    qkv, o, gate_up, down = ([getattr(m.kernel_choice, name, None) for name in ("steps", "steps_scale", "steps_min")]
+                             for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    return [layer.input_layernorm.weight, *qkv, attention.qkv_proj.bias, q_norm, k_norm, *o, attention.o_proj.bias,
+            layer.post_attention_layernorm.weight, *gate_up, *down]

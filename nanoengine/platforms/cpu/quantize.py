@@ -56,6 +56,12 @@ def pack_int4(q: torch.Tensor, group: int) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(q.shape[0], -1)
 
 
+def unpack_int4(packed: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """The 4-bit values (uint8 [N, K], each in 0..15) that ``pack_int4`` packed two to a byte."""
+    halves = packed.view(packed.shape[0], -1, 1, group // 2)
+    return torch.cat([halves & 15, halves >> 4], dim=2).view(packed.shape[0], -1)
+
+
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     into: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 weight [N, K] that a 4-bit one stands for (q * scale + min, rounded once), in ``into`` or a new

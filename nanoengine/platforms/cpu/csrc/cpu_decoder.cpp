@@ -11,17 +11,19 @@
 namespace {
 
 // Each layer's entries in ``weights``, in this order; an absent bias or norm is None, and so is the scale of a
-// weight that is not int8.
+// weight that is neither int8 nor 4-bit, and the minimum of a weight that is not 4-bit.
 enum Weight {
-  kInputNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOBias, kPostNorm, kGateUp, kGateUpScale,
-  kDown, kDownScale, kPerLayer
+  kInputNorm, kQkv, kQkvScale, kQkvMin, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOMin, kOBias, kPostNorm, kGateUp,
+  kGateUpScale, kGateUpMin, kDown, kDownScale, kDownMin, kPerLayer
 };
 
-// x W^T (+ b) with W packed for cpu_linear.cpp ([N/16, K/step, 16, step]) and, where W is int8, its scale.
-at::Tensor linear_of(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+// x W^T (+ b) with W packed for cpu_linear.cpp ([N/16, K/step, 16, step]) and, where W is int8 or 4-bit, its
+// scale (and minimum), the weight's entry ``w[weight]`` followed by them.
+at::Tensor linear_of(const at::Tensor& x, const c10::optional<at::Tensor>* w, Weight weight,
                      const c10::optional<at::Tensor>& bias) {
+  const at::Tensor& packed = *w[weight];
   at::Tensor out = at::empty({x.size(0), 16 * packed.size(0)}, x.options());
-  linear(x, packed, scale, bias, out);
+  linear(x, packed, w[weight + 1], w[weight + 2], bias, out);
   return out;
 }
 
@@ -45,7 +47,7 @@ at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, co
                      const Step& step) {
   const int64_t tokens = x.size(0), head_dim = cache[0].size(-1);
   const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
-  const at::Tensor qkv = linear_of(x, *w[kQkv], w[kQkvScale], w[kQkvBias]);
+  const at::Tensor qkv = linear_of(x, w, kQkv, w[kQkvBias]);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, step.num_heads, head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, step.num_kv_heads, head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, step.num_kv_heads, head_dim});
@@ -61,15 +63,15 @@ at::Tensor attention(const at::Tensor& x, const c10::optional<at::Tensor>* w, co
   if (!d.empty()) decode_attention(q, cache[0], cache[1], cache[2], cache[3], d[0], d[1], d[2], step.scale, attended);
   if (!p.empty())
     prefill_attention(q, cache[0], cache[1], cache[2], cache[3], p[0], p[1], p[2], p[3], step.scale, attended);
-  return linear_of(attended.view({tokens, q_size}), *w[kO], w[kOScale], w[kOBias]);
+  return linear_of(attended.view({tokens, q_size}), w, kO, w[kOBias]);
 }
 
 // DecoderMLP.forward.
 at::Tensor mlp(const at::Tensor& x, const c10::optional<at::Tensor>* w) {
-  const at::Tensor gate_up = linear_of(x, *w[kGateUp], w[kGateUpScale], c10::nullopt);
+  const at::Tensor gate_up = linear_of(x, w, kGateUp, c10::nullopt);
   const at::Tensor activated = at::empty({x.size(0), gate_up.size(1) / 2}, gate_up.options());
   silu_and_mul(gate_up, activated);
-  return linear_of(activated, *w[kDown], w[kDownScale], c10::nullopt);
+  return linear_of(activated, w, kDown, c10::nullopt);
 }
 
 void check_weights(const std::vector<c10::optional<at::Tensor>>& weights, size_t num_layers) {

@@ -27,7 +27,7 @@ void argmax(const at::Tensor& x, const at::Tensor& out);
 // The linear layers' kernel, in cpu_linear.cpp.
 std::vector<std::string> linear_dtypes();
 void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
-            const c10::optional<at::Tensor>& bias, const at::Tensor& out);
+            const c10::optional<at::Tensor>& minimum, const c10::optional<at::Tensor>& bias, const at::Tensor& out);
 // The decoder layers in one call, in cpu_decoder.cpp.
 std::vector<at::Tensor> decoder_layers(const at::Tensor& hidden, const std::vector<c10::optional<at::Tensor>>& weights,
                                        const std::vector<at::Tensor>& caches, const at::Tensor& cos,

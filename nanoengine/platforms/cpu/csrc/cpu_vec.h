@@ -9,7 +9,7 @@
 //
 // 16 lanes everywhere, so that every packed layout (16 outputs of a linear layer, 16 keys of a run) is the same
 // on every CPU; kVectorRegisters says how many Vec16 a tile may keep live. Loads widen float32, bfloat16,
-// float16 and int8 exactly; stores round to nearest, ties to even, as torch does. Only the dot-product
+// float16 and int8 exactly (and 4-bit values as 1 + q/16); stores round to nearest, ties to even, as torch does. Only the dot-product
 // micro-kernels that have a special instruction (AVX512-BF16's vdpbf16ps) are written outside this layer.
 #pragma once
 #include <ATen/ATen.h>
@@ -106,6 +106,23 @@ inline void widen_pairs16(const at::BFloat16* p, Vec16& first, Vec16& second) {
   const __m512i pairs = _mm512_loadu_si512(p);
   first = {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))};
   second = {_mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int(0xFFFF0000))))};
+}
+
+// 16 lanes of 32-bit words, each holding eight 4-bit values (16 outputs' weights of eight inputs).
+struct Nibbles16 {
+  __m512i v;
+};
+inline Nibbles16 load_nibbles16(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+// Each word shifted left by n bits (right by -n).
+inline __m512i shift_words(__m512i words, int n) {
+  return n >= 0 ? _mm512_slli_epi32(words, n) : _mm512_srli_epi32(words, -n);
+}
+// The 4-bit q at bits [at, at + 4) of each word as the float 1 + q/16, exactly: q put at the top of the mantissa
+// of 1.0 (two operations, where converting q itself takes three).
+inline Vec16 nibble_plus_one16(Nibbles16 words, int at) {
+  const __m512i q = shift_words(words.v, 19 - at);  // (q & mask) | one: vpternlogd's 0xEA
+  return {_mm512_castsi512_ps(
+      _mm512_ternarylogic_epi32(q, _mm512_set1_epi32(15 << 19), _mm512_set1_epi32(0x3F800000), 0xEA))};
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -218,6 +235,22 @@ inline void widen_pairs16(const at::BFloat16* p, Vec16& first, Vec16& second) {
   second = {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
 }
 
+struct Nibbles16 {
+  __m256i lo, hi;
+};
+inline Nibbles16 load_nibbles16(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline __m256 nibble_plus_one8(__m256i words, int at) {
+  const __m256i q = at <= 19 ? _mm256_slli_epi32(words, 19 - at) : _mm256_srli_epi32(words, at - 19);
+  const __m256i mantissa = _mm256_and_si256(q, _mm256_set1_epi32(15 << 19));
+  return _mm256_castsi256_ps(_mm256_or_si256(mantissa, _mm256_set1_epi32(0x3F800000)));
+}
+inline Vec16 nibble_plus_one16(Nibbles16 words, int at) {
+  return {nibble_plus_one8(words.lo, at), nibble_plus_one8(words.hi, at)};
+}
+
 #else
 // Plain loops over 16 floats: the compiler vectorizes them for whatever the target has (SSE on x86-64-v2).
 constexpr const char* kVectorIsa = "scalar";
@@ -277,6 +310,17 @@ inline Vec16 sum_each16(Vec16* vectors) { return each16([&](int i) { return redu
 inline void widen_pairs16(const at::BFloat16* p, Vec16& first, Vec16& second) {
   first = each16([=](int i) { return float(p[2 * i]); });
   second = each16([=](int i) { return float(p[2 * i + 1]); });
+}
+struct Nibbles16 {
+  uint32_t v[16];
+};
+inline Nibbles16 load_nibbles16(const uint8_t* p) {
+  Nibbles16 words;
+  std::memcpy(words.v, p, sizeof(words.v));
+  return words;
+}
+inline Vec16 nibble_plus_one16(Nibbles16 words, int at) {
+  return each16([&](int i) { return 1.f + float((words.v[i] >> at) & 15) / 16; });
 }
 #endif
 
