@@ -57,9 +57,12 @@ def build_dir(arch: str | None = None) -> Path:
 
 
 def build_fingerprint(arch: str) -> str:
-    """What a failed build depends on: the sources, the flags, the compiler and torch."""
+    """What a failed build depends on: the sources, the flags, the compiler and torch (its version, and the install
+    itself: a torch installed again, as a new environment does, tries again)."""
     sources = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.iterdir()))
-    return hashlib.sha1(sources + f"{kernel_flags(arch)} {compiler()} {torch.__version__}".encode()).hexdigest()
+    installed = Path(torch.__file__).stat().st_mtime_ns
+    return hashlib.sha1(sources + f"{kernel_flags(arch)} {compiler()} {torch.__version__} {torch.__file__} "
+                                  f"{installed}".encode()).hexdigest()
 
 
 def load_cpu_kernels() -> ModuleType | None:
