@@ -265,23 +265,15 @@ def run(folder: str, prompts=PROMPTS, **options) -> tuple[list[list[int]], list[
             [[entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)] for c in completions])
 
 
-def test_int8_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog):
+@pytest.mark.parametrize("quantization, dequantized", [("int8", "dequantized"), ("int4", "int4-dequantized")])
+def test_quantized_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog, quantization,
+                                                                                dequantized):
     with caplog.at_level(logging.INFO, logger="nanoengine.platforms.cpu.quantize"):
-        tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization="int8")
-    assert "int8 weights: the linear layers' and LM head's 9 weights take" in caplog.text
-    expected_tokens, expected_logprobs = run(qwen2_dirs["dequantized"], dtype="float32")
+        tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization=quantization)
+    assert f"{quantization} weights: the linear layers' and LM head's 9 weights take" in caplog.text
+    expected_tokens, expected_logprobs = run(qwen2_dirs[dequantized], dtype="float32")
     assert tokens == expected_tokens
-    for row, expected in zip(logprobs, expected_logprobs):  # they differ by up to 4e-5 here
-        assert row == pytest.approx(expected, abs=2e-4)
-
-
-def test_int4_weights_give_what_float32_gives_with_the_dequantized_weights(qwen2_dirs, caplog):
-    with caplog.at_level(logging.INFO, logger="nanoengine.platforms.cpu.quantize"):
-        tokens, logprobs = run(qwen2_dirs["original"], dtype="float32", quantization="int4")
-    assert "int4 weights: the linear layers' and LM head's 9 weights take" in caplog.text
-    expected_tokens, expected_logprobs = run(qwen2_dirs["int4-dequantized"], dtype="float32")
-    assert tokens == expected_tokens
-    for row, expected in zip(logprobs, expected_logprobs):
+    for row, expected in zip(logprobs, expected_logprobs):  # int8's differ by up to 4e-5 here
         assert row == pytest.approx(expected, abs=2e-4)
 
 
