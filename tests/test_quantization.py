@@ -162,6 +162,22 @@ def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
             assert_dequantized_product(out, x, wide, bias, summed)
 
 
+@pytest.mark.parametrize("dtype", ACTIVATIONS, ids=["fp32", "bf16", "fp16"])
+def test_the_4_bit_kernel_cuts_a_large_x_into_panels_each_with_its_own_group_sums(cpu_ops, dtype):
+    """An x over 1 MiB (a prompt's, at the size of a core's L2) is cut into panels of rows: each panel's rows add
+    their own sums of x per group (a panel that read the first panel's gave outputs off by hundreds)."""
+    torch.manual_seed(1)
+    rows, out_features, in_features = 640, 32, 1024
+    q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
+    wide = dequantize_int4(q, scale, minimum)
+    summed = (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    x = torch.randn(rows, in_features, dtype=dtype) + 1
+    out = torch.full((rows, out_features), float("nan"), dtype=dtype)
+    cpu_ops.linear(x, pack_steps(q), *tiled_scales(q, scale, minimum), None, out)
+    assert x.nbytes > 1 << 20
+    assert_dequantized_product(out, x, wide, None, summed)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("kernel", ["tiled", "float32", "torch"])
 def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, kind, kernel):

@@ -357,6 +357,7 @@ void run(const Operands<W, T>& op) {
       Operands<W, T> panel = op;
       panel.x += first_row * op.steps * Step<W>::inputs;
       panel.out += first_row * op.outputs;
+      if constexpr (kGrouped<W>) panel.x_sums += first_row * (op.steps / kStepsPerGroup);
       panel.rows = std::min(panel_rows, op.rows - first_row);
       some_blocks<W, T, V>(panel, t * V, std::min<int64_t>(V, num_blocks - t * V));
     }
