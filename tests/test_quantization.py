@@ -254,19 +254,20 @@ def test_the_int8_kernel_is_offered_for_whole_blocks_of_16_outputs_only(cpu_ops)
 @pytest.fixture(scope="module")
 def qwen2_dirs(tmp_path_factory, smollm2_dir) -> dict[str, str]:
     """A tiny Qwen2 (biases on q, k and v; the LM head tied to the embeddings) and copies whose linear weights are
-    their int8 (or 4-bit) quantization dequantized, with an LM head of its own, likewise: what quantization='int8'
-    (or 'int4') multiplies by, in float32."""
+    their int8 (or 4-bit) quantization dequantized, with an LM head of its own in int8 dequantized: what
+    quantization='int8' (or 'int4', which keeps the LM head in int8) multiplies by, in float32."""
     original = tmp_path_factory.mktemp("int8-qwen2")
     build_tiny_model("qwen2", original, smollm2_dir, initializer_range=0.5)
     dirs = {"original": str(original)}
-    for name, round_trip in (("dequantized", lambda w: dequantize(*quantize(w))),
+    int8_round_trip = lambda w: dequantize(*quantize(w))  # noqa: E731
+    for name, round_trip in (("dequantized", int8_round_trip),
                              ("int4-dequantized", lambda w: dequantize_int4(*quantize_int4(w)))):
         dequantized = shutil.copytree(original, original.with_name(f"int8-qwen2-{name}"))
         weights = load_file(dequantized / "model.safetensors")
         for key, weight in weights.items():
             if key.endswith(".weight") and key.split(".")[-2] in HF_LINEARS:
                 weights[key] = round_trip(weight)
-        weights["lm_head.weight"] = round_trip(weights["model.embed_tokens.weight"])
+        weights["lm_head.weight"] = int8_round_trip(weights["model.embed_tokens.weight"])
         save_file(weights, dequantized / "model.safetensors", metadata={"format": "pt"})
         config = json.loads((dequantized / "config.json").read_text())
         (dequantized / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))

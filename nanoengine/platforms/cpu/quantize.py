@@ -11,7 +11,8 @@ ranks quantize exactly as one does.
 4-bit weights (``quantization="int4"``, and a GGUF file's Q4_0, Q4_1 and Q4_K): a layer keeps ``weight`` as uint8
 [N, K/2], ``weight_scale`` and ``weight_min``, float16 [N, K/group]: weight ~= q * scale + min, q in 0..15, a
 group's first half of q in the low nibbles of its K/2 bytes and its second half in the high ones (llama.cpp's Q4_1
-layout, so a Q4_0 or Q4_1 file's bytes are kept as they are).
+layout, so a Q4_0 or Q4_1 file's bytes are kept as they are). The LM head stays int8, as llama.cpp keeps its
+output layer at 6 or 8 bits: in 4 bits it cost SmolLM2 +5.4% perplexity, in int8 nothing measurable.
 """
 
 import logging
@@ -82,12 +83,12 @@ def in_features_of(weight: torch.Tensor) -> int:
 
 def quantize_linear_layers(model: nn.Module, quantization: str = "int8") -> None:
     """Replace every linear layer's weight (qkv, o, gate_up, down, the LM head) by int8 and its ``weight_scale``,
-    or by 4-bit and its ``weight_scale`` and ``weight_min``; the 16-bit or float32 weight is freed (but for the
-    embeddings' where they are tied). Layers a GGUF file gave quantized weights keep them."""
+    or by 4-bit and its ``weight_scale`` and ``weight_min`` (but the LM head's, int8); the 16-bit or float32 weight
+    is freed (but for the embeddings' where they are tied). Layers a GGUF file gave quantized weights keep them."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead) and m.weight.is_floating_point()]
     before = sum(m.weight.nbytes for m in layers)
     for module in layers:
-        if quantization == "int4":
+        if quantization == "int4" and not isinstance(module, ParallelLMHead):
             q, module.weight_scale, module.weight_min = quantize_int4(module.weight)
         else:
             absmax = None  # each row's own, but for a row-parallel shard's: the largest over the ranks
