@@ -62,7 +62,8 @@ bench-vllm: setup $(VLLM_VENV)/.installed
 # llama.cpp, the peer of `bench.py --compare llamacpp` and of the quality preset: built from the source the
 # llama-cpp-python sdist vendors (only pip leaves the machine), only the tools the benches run, in Release on
 # all cores at the lowest priority (the machine is shared; llama-tokenize checks that both sides read the text as
-# the same tokens); then the default model converted with its own converter to bf16 and Q8_0 GGUF files.
+# the same tokens); then the default model (or LLAMACPP_MODEL, e.g. random:llama-3.2-1b) converted with its own
+# converter to bf16 and Q8_0 GGUF files, and the bf16 file quantized with its llama-quantize to Q4_0, Q4_K_M, Q6_K.
 # LLAMACPP_ARCH=x86-64-v3 builds it for AVX2 only (beside the native build), the peer of our x86-64-v3 kernels.
 LLAMACPP := .llamacpp
 LLAMACPP_PYTHON_VERSION ?= 0.3.36
@@ -85,12 +86,16 @@ $(LLAMACPP_BUILD)/bin/.built: $(LLAMACPP_SRC)/CMakeLists.txt
 	nice -n 19 cmake --build $(LLAMACPP_BUILD) --config Release -j $$(nproc) --target $(LLAMACPP_TOOLS)
 	touch $@
 
-$(LLAMACPP)/models/.converted: $(LLAMACPP_SRC)/CMakeLists.txt
+LLAMACPP_MODEL ?=
+LLAMACPP_FILES := $(LLAMACPP)/models/.files$(subst :,-,$(LLAMACPP_MODEL))
+
+$(LLAMACPP_FILES): $(LLAMACPP_BUILD)/bin/.built
 	$(BIN)/pip install --quiet -e ".[llamacpp]"
-	$(BIN)/python -m benchmarks.llamacpp convert --source $(LLAMACPP_SRC)
+	NANOENGINE_CPU_ARCH=$(LLAMACPP_ARCH) $(BIN)/python -m benchmarks.llamacpp convert --source $(LLAMACPP_SRC) \
+		$(if $(LLAMACPP_MODEL),--model $(LLAMACPP_MODEL))
 	touch $@
 
-llamacpp: setup $(LLAMACPP_BUILD)/bin/.built $(LLAMACPP)/models/.converted
+llamacpp: setup $(LLAMACPP_BUILD)/bin/.built $(LLAMACPP_FILES)
 
 bench-llamacpp: llamacpp
-	$(BIN)/python bench.py --compare llamacpp --cpu-arch $(LLAMACPP_ARCH)
+	$(BIN)/python bench.py --compare llamacpp --cpu-arch $(LLAMACPP_ARCH) $(if $(LLAMACPP_MODEL),--model $(LLAMACPP_MODEL))

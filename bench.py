@@ -8,7 +8,7 @@
     python bench.py --preset spec [--compare vllm]
     python bench.py --preset serve [--compare vllm] [--num-prompts N] [--request-rate R] [--max-concurrency C]
     python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
-    python bench.py --compare llamacpp [--cpu-arch x86-64-v3]
+    python bench.py --compare llamacpp [--cpu-arch x86-64-v3] [--model random:llama-3.2-1b]
     python bench.py --preset quality [--n-ctx N]
     python bench.py --preset quantization [--model DIR | --model random:llama-3.2-1b] [--rounds N]
     python bench.py --preset profile [--num-prompts N] [--prompt-len L] [--dtype D]
@@ -29,11 +29,13 @@ does, at a light Poisson load and a saturating one, then overloaded at 4x the ca
 measured (goodput, 429s, a canary's TTFT; benchmarks/overload.py); with ``--compare vllm`` it measures ``vllm serve``
 on the same requests too, at float32 and at bfloat16;
 ``serve-dp`` runs a multi-tenant workload on one engine core and on two, under each routing rule.
-``--compare llamacpp`` runs llama-batched-bench's workload on llama.cpp's bf16 and Q8_0 files and on our
-engine in bfloat16 (``make bench-llamacpp`` builds llama.cpp); ``quality`` prints the perplexity of our
-bfloat16 and float32 and of llama.cpp's two files on a fixed text (benchmarks/quality.py says how it is scored).
-``profile`` prints where one step's time goes (benchmarks/profile.py). ``quantization`` runs our engine in bfloat16,
-with int8 weights, with an int8 KV cache and with both, on one request and on 32 (benchmarks/quantization.py).
+``--compare llamacpp`` runs llama-batched-bench's workload on llama.cpp's bf16, Q8_0 and 4-bit files and on our
+engine in bfloat16, with int8 weights and on the same 4-bit file (``make bench-llamacpp`` builds llama.cpp and
+its files; benchmarks/llamacpp.py); ``quality`` prints the perplexity of our bfloat16, float32 and quantized
+variants and, file by file, of llama.cpp and ours reading it, on a fixed text (benchmarks/quality.py says how it
+is scored). ``profile`` prints where one step's time goes (benchmarks/profile.py). ``quantization`` runs our engine
+in bfloat16, with int8 weights, with an int8 KV cache, with both and with int4 weights, on one request and on 32
+(benchmarks/quantization.py).
 ``--model random:NAME`` (qwen3-0.6b, llama-3.2-1b) is a model of that shape with random weights and SmolLM2's
 vocabulary size.
 

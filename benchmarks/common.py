@@ -62,7 +62,7 @@ def make_requests(w: Workload, seed: int = 0) -> tuple[list[list[int]], list[Sam
 def random_model(name: str = "qwen3-0.6b", vocab_size: int | None = None) -> str:
     """A checkpoint of RANDOM_SHAPES[name] with random weights (bf16), built once and cached."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name not in RANDOM_SHAPES:
         raise ValueError(f"no random model shape {name!r}: choose one of {sorted(RANDOM_SHAPES)}")
@@ -80,7 +80,10 @@ def random_model(name: str = "qwen3-0.6b", vocab_size: int | None = None) -> str
         with torch.device("cuda" if on_gpu() else "cpu"):  # random init of 0.6B weights is slow on a CPU
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(temp)
-        byte_level_tokenizer().save_pretrained(temp)
+        # SmolLM2's own where its vocabulary is the model's: llama.cpp's converter reads only tokenizers it knows
+        tokenizer = (AutoTokenizer.from_pretrained(default_model_path()) if vocab_size == SMOLLM2_VOCAB
+                     else byte_level_tokenizer())
+        tokenizer.save_pretrained(temp)
         temp.rename(folder)
     finally:
         shutil.rmtree(temp, ignore_errors=True)

@@ -18,9 +18,10 @@ from nanoengine import LLM, SamplingParams
 TEXT = Path(__file__).parent.parent / "tests" / "fixtures" / "alice_chapters_1_2.txt"
 N_CTX = 1024  # 5 windows of the text, 2,555 scored tokens
 GREEDY_PROMPTS, GREEDY_TOKENS, GREEDY_MAX_LEN = 16, 64, 512  # the spec preset's chat prompts, ~150 tokens each
+QUANTIZED_PARTS = (("weights", "quantization"), ("KV", "kv_cache_dtype"))  # the engine's name: LLM's option
 INT8_WEIGHTS, INT8_KV = {"quantization": "int8"}, {"kv_cache_dtype": "int8"}
 QUALITY_RUNS = [("bfloat16", {}), ("float32", {}), ("bfloat16", INT8_WEIGHTS), ("bfloat16", INT8_KV),
-                ("bfloat16", INT8_WEIGHTS | INT8_KV)]
+                ("bfloat16", INT8_WEIGHTS | INT8_KV), ("bfloat16", {"quantization": "int4"})]
 
 
 def window_starts(num_tokens: int, n_ctx: int) -> range:
@@ -68,8 +69,7 @@ def engine_perplexity(model: str, dtype: str, n_ctx: int = N_CTX, text: Path = T
         params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
         answers = llm.generate(list(greedy_prompts), params, use_tqdm=False) if greedy_prompts else []
         greedy = [answer.outputs[0].token_ids for answer in answers]
-    quantized = [name for name, option in (("int8 weights", "quantization"), ("int8 KV", "kv_cache_dtype"))
-                 if llm_options.get(option)]
+    quantized = [f"{llm_options[option]} {part}" for part, option in QUANTIZED_PARTS if llm_options.get(option)]
     return {"engine": " + ".join([f"nanoengine {dtype}", *quantized]), "perplexity": perplexity(nlls),
             "scored_tokens": len(nlls), "text_tokens": len(tokens), "greedy": greedy}
 
@@ -82,9 +82,10 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tupl
 
 
 def quality_preset(args) -> dict:
-    """Our perplexity in bfloat16 and float32, in bfloat16 with int8 weights, an int8 KV cache and both, and
-    llama.cpp's with its bf16 and Q8_0 files (once `make llamacpp` has built them), on the same text and windows;
-    and how often our variants answer the spec preset's chat prompts with bfloat16's greedy tokens."""
+    """Our perplexity in bfloat16 and float32, in bfloat16 with int8 weights, an int8 KV cache and both, and int4
+    weights; llama.cpp's with each of its files (once `make llamacpp` has made them) and ours reading the same file,
+    on the same text and windows; and how often ours answer the spec preset's chat prompts with bfloat16's greedy
+    tokens."""
     from transformers import AutoTokenizer
 
     from benchmarks.common import model_for
@@ -100,7 +101,13 @@ def quality_preset(args) -> dict:
         run["identical_answers"], run["greedy_prefix"] = greedy_agreement(reference, run.pop("greedy"))
         print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
     peers, tokens_note = llamacpp_perplexities(model, n_ctx, TEXT)
-    return {"preset": "quality", "model": model, "text": TEXT.name, "n_ctx": n_ctx, "runs": runs + peers,
+    for gguf, peer in peers.items():  # each of llama.cpp's files read by us too, at bfloat16
+        ours = engine_perplexity(str(gguf), "bfloat16", n_ctx, greedy_prompts=chat)
+        ours["engine"] = peer["engine"].replace("llama.cpp", "nanoengine bfloat16")
+        ours["identical_answers"], ours["greedy_prefix"] = greedy_agreement(reference, ours.pop("greedy"))
+        runs += [peer, ours]
+        print(f"bench: {ours['engine']}: perplexity {ours['perplexity']:.4f}", flush=True)
+    return {"preset": "quality", "model": model, "text": TEXT.name, "n_ctx": n_ctx, "runs": runs,
             "tokens_note": tokens_note, "greedy_prompts": len(chat), "greedy_tokens": GREEDY_TOKENS}
 
 

@@ -1,6 +1,7 @@
-"""The quantization preset: our engine in the model's bfloat16, with int8 weights, with an int8 KV cache and with
-both, on one request (200 prompt tokens, 128 generated: decoding at the memory's speed) and on the cpu preset's
-32 requests, each engine built once per round, the rounds alternated (the fastest of each counts).
+"""The quantization preset: our engine in the model's bfloat16, with int8 weights, with an int8 KV cache, with
+both, and with int4 weights, on one request (200 prompt tokens, 128 generated: decoding at the memory's speed)
+and on the cpu preset's 32 requests, each engine built once per round, the rounds alternated (the fastest of each
+counts).
 
     python bench.py --preset quantization [--model DIR | --model random:llama-3.2-1b] [--rounds N]
 """
@@ -15,6 +16,7 @@ VARIANTS = {
     "int8 weights": {"quantization": "int8"},
     "int8 KV cache": {"kv_cache_dtype": "int8"},
     "int8 weights + KV cache": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "int4 weights": {"quantization": "int4"},
 }
 ONE_REQUEST = Workload(1, (200, 200), (128, 128), 0.0, "bfloat16", 2048)
 
@@ -42,10 +44,10 @@ def quantization_preset(args) -> dict:
 
 
 def engine_facts(llm: LLM) -> dict:
-    """The engine's weight bytes and how many tokens its KV cache holds."""
+    """The engine's weight bytes (scales included) and how many tokens its KV cache holds."""
     runner = llm.llm_engine.model_executor.runner
-    weights = sum(t.nbytes for t in (*runner.model.parameters(), *runner.model.buffers()))
-    return {"weight_mb": weights / 1e6, "kv_cache_tokens": runner.num_kvcache_blocks * runner.block_size}
+    return {"weight_mb": llm.stats().weight_bytes / 1e6,
+            "kv_cache_tokens": runner.num_kvcache_blocks * runner.block_size}
 
 
 def print_quantization_table(report: dict) -> None:
