@@ -8,9 +8,9 @@
     python bench.py --preset spec [--compare vllm]
     python bench.py --preset serve [--compare vllm] [--num-prompts N] [--request-rate R] [--max-concurrency C]
     python bench.py --preset serve-dp [--num-prompts N] [--request-rate R]
-    python bench.py --compare llamacpp [--cpu-arch x86-64-v3] [--model random:llama-3.2-1b]
+    python bench.py --compare llamacpp [--cpu-arch x86-64-v3] [--model random:llama-3.2-1b] [--quantization Q]
     python bench.py --preset quality [--n-ctx N]
-    python bench.py --preset quantization [--model DIR | --model random:llama-3.2-1b] [--rounds N]
+    python bench.py --preset quantization [--model DIR | --model random:llama-3.2-1b] [--rounds N] [--num-prompts N]
     python bench.py --preset profile [--num-prompts N] [--prompt-len L] [--dtype D]
 
 ``gpu`` is nano-vllm's published benchmark (256 random-token requests, random prompt and output
@@ -80,7 +80,7 @@ from nanoengine import LLM, StructuredOutputsParams
 def throughput_preset(args) -> dict:
     workload = preset_workload(args.preset, args.dtype)
     if "llamacpp" in args.compare:  # llama.cpp runs its own workload: llama-batched-bench's
-        return compare_llamacpp(model_for(args), workload.dtype)
+        return compare_llamacpp(model_for(args), workload.dtype, args.quantization)
     return run_throughput(args.preset, workload, model_for(args), args.compare, args.rounds,
                           enforce_eager=args.enforce_eager, quantization=args.quantization,
                           kv_cache_dtype=args.kv_cache_dtype)
@@ -233,14 +233,15 @@ def parse_args(argv=None):
                         help="hf, vllm or hf,vllm: also run transformers and/or vLLM on the same requests; "
                              "llamacpp: llama.cpp and ours on llama-batched-bench's workload")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the preset's dtype")
-    parser.add_argument("--quantization", choices=["int8"],
-                        help="gpu/cpu/profile: our engine's weights in int8 (docs/quantization.md; the peers' stay "
-                             "in dtype)")
+    parser.add_argument("--quantization", choices=["int8", "int4"],
+                        help="gpu/cpu/profile: our engine's weights quantized (docs/quantization.md; the peers' stay "
+                             "in dtype); --compare llamacpp: only that pair (int8 against Q8_0, int4: the 4-bit file)")
     parser.add_argument("--small", action="store_true", help="prefix/chunked: the sizes for a CPU (default there)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                         help="gpu/cpu/profile: our KV cache's dtype (docs/kv-cache-quantization.md)")
-    parser.add_argument("--num-prompts", type=int, help="serve: how many requests per load (default: per load)")
+    parser.add_argument("--num-prompts", type=int, help="serve: how many requests per load (default: per load); "
+                        "quantization: the requests of its second load (default 32; 0 leaves it out)")
     parser.add_argument("--request-rate", type=float,
                         help="serve: one load at this Poisson rate (inf: all at once) instead of the preset's two")
     parser.add_argument("--max-concurrency", type=int, help="serve: most requests in flight")

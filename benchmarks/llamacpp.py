@@ -30,6 +30,7 @@ FILE_TYPES = {"bf16": "bf16", "q8_0": "Q8_0"}  # converter's --outtype: the name
 QUANTIZED_TYPES = ("Q4_0", "Q4_K_M", "Q6_K")  # llama-quantize's, from the bf16 file
 PROMPT_TOKENS, GENERATED_TOKENS = 256, 128
 SEQUENCES = (1, 4, 16, 32)
+INT8_WEIGHTS_AND_KV = {"quantization": "int8", "kv_cache_dtype": "int8"}
 
 
 def threads() -> int:
@@ -113,25 +114,27 @@ def ours_batched(model: str, dtype: str, sequences=SEQUENCES, **llm_options) -> 
     return seconds
 
 
-def compare_llamacpp(model: str, dtype: str = "bfloat16") -> dict:
+def compare_llamacpp(model: str, dtype: str = "bfloat16", only: str | None = None) -> dict:
     """On llama-batched-bench's workload, in one run: ours in ``dtype`` against llama.cpp's bf16 file, ours with
-    int8 weights and an int8 KV cache against its Q8_0 file, and both on the same 4-bit file."""
+    int8 weights and an int8 KV cache against its Q8_0 file, and both on the same 4-bit file (``only`` "int8"
+    or "int4": that pair alone)."""
     from benchmarks.common import device_name
 
     four_bit_name, four_bit = four_bit_file(model)
-    ours = {f"nanoengine {dtype}": (model, {}),
-            f"nanoengine {dtype}, int8 weights + KV": (model, {"quantization": "int8", "kv_cache_dtype": "int8"}),
-            f"nanoengine {dtype}, the {four_bit_name} file": (str(four_bit), {})}
-    peers = {"llama.cpp bf16": gguf_file(model, "bf16"), "llama.cpp Q8_0": gguf_file(model, "q8_0"),
-             f"llama.cpp {four_bit_name}": four_bit}
-    engines = {name: ours_batched(path, dtype, **options) for name, (path, options) in ours.items()}
-    for name, path in peers.items():
+    pairs = {None: ((f"nanoengine {dtype}", model, {}), ("llama.cpp bf16", gguf_file(model, "bf16"))),
+             "int8": ((f"nanoengine {dtype}, int8 weights + KV", model, INT8_WEIGHTS_AND_KV),
+                      ("llama.cpp Q8_0", gguf_file(model, "q8_0"))),
+             "int4": ((f"nanoengine {dtype}, the {four_bit_name} file", str(four_bit), {}),
+                      (f"llama.cpp {four_bit_name}", four_bit))}
+    chosen = [pair for key, pair in pairs.items() if only in (None, key)]
+    engines = {name: ours_batched(path, dtype, **options) for (name, path, options), _ in chosen}
+    for _, (name, path) in chosen:
         engines[name] = batched_bench(path)
         print(f"bench: {name}: {engines[name]}", file=sys.stderr)
     return {"preset": "llamacpp", "model": model, "device": device_name("cpu"), "threads": threads(),
             "workload": f"{PROMPT_TOKENS} prompt tokens, then {GENERATED_TOKENS} generated, per sequence",
             "seconds": {name: {str(n): s for n, s in runs.items()} for name, runs in engines.items()},
-            "pairs": [list(pair) for pair in zip(ours, peers)]}
+            "pairs": [[ours[0], peer[0]] for ours, peer in chosen]}
 
 
 def print_llamacpp_table(report: dict) -> None:

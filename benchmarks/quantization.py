@@ -7,6 +7,7 @@ counts).
 """
 
 import sys
+from dataclasses import replace
 
 from benchmarks.common import Throughput, Workload, device_name, make_requests, model_for, preset_workload, run_ours
 from nanoengine import LLM
@@ -23,7 +24,8 @@ ONE_REQUEST = Workload(1, (200, 200), (128, 128), 0.0, "bfloat16", 2048)
 
 def quantization_preset(args) -> dict:
     model = model_for(args)
-    workloads = {"1 request": ONE_REQUEST, "32 requests": preset_workload("cpu", "bfloat16")}
+    many = replace(preset_workload("cpu", "bfloat16"), num_seqs=32 if args.num_prompts is None else args.num_prompts)
+    workloads = {"1 request": ONE_REQUEST} | ({f"{many.num_seqs} requests": many} if many.num_seqs else {})
     fastest: dict[tuple[str, str], Throughput] = {}
     facts = {}
     for _ in range(args.rounds):
