@@ -3,6 +3,8 @@ gives, token for token, what the same weights dequantized into a float32 folder 
 file's values exactly; the shipped SmolLM2 file answers; every refusal names what it refuses."""
 
 import json
+import os
+import pickle
 
 import gguf
 import numpy as np
@@ -13,13 +15,15 @@ from gguf import GGMLQuantizationType as Type
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.config import EngineConfig
 from nanoengine.models.llama import head_dim_of
 from nanoengine.platforms.cpu.quantize import dequantize_int4, pack_int4
 from nanoengine.quantization import quantize as quantize_int8
 from nanoengine.utils.default_model import find_gguf
-from nanoengine.utils.gguf_file import four_bit
+from nanoengine.utils.gguf_file import four_bit, gguf_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]
@@ -174,6 +178,40 @@ def test_a_gguf_file_reads_its_config_and_tokenizer(gguf_and_folder):
         text = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert text == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert ours.encode(text) == theirs.encode(text)
+
+
+def test_a_gguf_file_is_parsed_once_per_process(gguf_and_folder, monkeypatch):
+    parses = []
+    parse = gguf.GGUFReader.__init__
+
+    def counted(reader, path, *args, **kwargs):
+        parses.append(path)
+        parse(reader, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    with LLM(gguf_and_folder[0], **ENGINE) as llm:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert parses == [gguf_and_folder[0]]  # the config, the tokenizer and the weights from one reader
+        # A server's engine core gets the config pickled: without the reader (the file's bytes), which it reads anew.
+        received = pickle.loads(pickle.dumps(llm.config))
+    assert len(pickle.dumps(llm.config)) < 100_000 and received.gguf_reader is None
+    assert received.gguf() is received.gguf() and len(parses) == 2
+
+
+def test_the_tokenizer_from_the_parsed_file_is_transformers_own():
+    path = str(find_gguf())
+    ours = gguf_tokenizer(EngineConfig(path).gguf())
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    texts = ["What is the capital of France?", "  Été, naïve café 🙂\n\tdef f(x): return x**2  # 123456",
+             "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+    assert [ours.encode(text) for text in texts] == [theirs.encode(text) for text in texts]
+    assert ours.chat_template == theirs.chat_template and ours.chat_template
+    chat = [{"role": "user", "content": "Hello there"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, add_generation_prompt=True)
+    for token in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, token) == getattr(theirs, token) is not None, token
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder and len(ours) == len(theirs)
 
 
 # The 4-bit layout holds the file's values ---------------------------------------------------------------------------

@@ -25,8 +25,7 @@ from nanoengine.utils.loader import check_all_loaded, load_tensor, target_of
 GROUP = 32  # the inputs per scale of every 4-bit type a file holds (Q4_K's 6-bit sub-block scales too)
 
 
-def load_gguf(model: nn.Module, path: str, config: PretrainedConfig) -> None:
-    reader = GGUFReader(path)
+def load_gguf(model: nn.Module, reader: GGUFReader, config: PretrainedConfig) -> None:
     tensors = {hf_name(tensor.name): tensor for tensor in reader.tensors}  # names and types checked by gguf_config
     embeddings = tensors["model.embed_tokens.weight"]
     if "lm_head.weight" not in tensors and embeddings.tensor_type in FOUR_BIT_TYPES | EIGHT_BIT_TYPES:
@@ -39,7 +38,7 @@ def load_gguf(model: nn.Module, path: str, config: PretrainedConfig) -> None:
         layer, _, kind = target_of(packed, name)[0].rpartition(".")
         for part, value in parts(name, tensor, formats.get(layer) if kind == "weight" else None, config):
             loaded.add(load_tensor(params, packed, part, value))
-    check_all_loaded(params, loaded, path)
+    check_all_loaded(params, loaded, reader.data.filename)
     modules = dict(model.named_modules())
     for layer in (name for name, fmt in formats.items() if fmt == "int8"):
         q, modules[layer].weight_scale = quantize(modules[layer].weight.detach())
