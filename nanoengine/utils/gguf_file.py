@@ -20,8 +20,9 @@ ARCHITECTURES = {"llama": (LlamaConfig, "LlamaForCausalLM"), "qwen2": (Qwen2Conf
                  "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
 # The weight types the engine loads, by the format a linear layer keeps them in (docs/quantization.md): 4-bit (the
 # file's nibbles, a float16 scale and minimum per 32), int8 per output row (requantized), or the model's dtype.
+# llama-quantize writes Q5_0/Q5_1 beside Q4_K/Q5_K where a row is not a multiple of 256 (SmolLM2's 576).
 FOUR_BIT_TYPES = {Type.Q4_0, Type.Q4_1, Type.Q4_K}
-EIGHT_BIT_TYPES = {Type.Q8_0, Type.Q6_K}
+EIGHT_BIT_TYPES = {Type.Q8_0, Type.Q6_K, Type.Q5_0, Type.Q5_1, Type.Q5_K}
 FLOAT_TYPES = {Type.F32, Type.F16, Type.BF16}
 # general.file_type -> what dtype="auto" picks: a float file's own type, else (the quantized files) bfloat16
 AUTO_DTYPES = {LlamaFileType.ALL_F32: "float32", LlamaFileType.MOSTLY_F16: "float16"}

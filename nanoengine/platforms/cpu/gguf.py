@@ -2,8 +2,8 @@
 the LM head) in the format nearest its tensors' type that the CPU multiplies, the other tensors in the model's dtype.
 
 - Q4_0, Q4_1, Q4_K: 4-bit (quantize.py's layout): the file's 4-bit values, scales and minimums, never widened.
-- Q8_0, Q6_K: int8 with a float32 scale per output row, quantized from the file's values (docs/quantization.md has
-  the perplexity cost).
+- Q8_0, Q6_K, Q5_0, Q5_1, Q5_K: int8 with a float32 scale per output row, quantized from the file's values
+  (docs/quantization.md has the perplexity cost).
 - F32, F16, BF16: the model's dtype, as a folder's weights.
 
 A merged layer (q/k/v, gate/up) whose parts differ takes the widest of their formats. A tied LM head whose
