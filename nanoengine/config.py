@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 import torch
+from gguf import GGUFReader
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanoengine.distributed import ENV_VARIABLES, divide, env_rank
@@ -62,6 +63,7 @@ class EngineConfig:
     hf_config: PretrainedConfig = field(init=False, repr=False)
     speculative: "SpeculativeConfig | None" = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
+    gguf_reader: GGUFReader | None = field(init=False, repr=False, compare=False, default=None)
 
     @classmethod
     def from_options(cls, model: str, options: dict) -> "EngineConfig":
@@ -77,7 +79,7 @@ class EngineConfig:
                             f"{type(self.model).__name__}")
         self.model = os.fspath(self.model)
         if is_gguf(self.model):
-            self.hf_config = gguf_config(self.model)
+            self.hf_config = gguf_config(self.gguf())
         elif os.path.isfile(os.path.join(self.model, "config.json")):
             self.hf_config = AutoConfig.from_pretrained(self.model)
         else:
@@ -123,6 +125,17 @@ class EngineConfig:
             raise ValueError(f"{'a GGUF file' if is_gguf(self.model) else 'quantization=int4'} runs on the CPU on one "
                              f"rank (its 4-bit and int8 weights are the CPU's), got device={self.device!r}, "
                              f"tensor_parallel_size={self.tensor_parallel_size}")
+
+    def gguf(self) -> GGUFReader:
+        """The model's GGUF file, parsed once per process: the config, the tokenizer and the weights all read it."""
+        if self.gguf_reader is None:
+            self.gguf_reader = GGUFReader(self.model)
+        return self.gguf_reader
+
+    def __getstate__(self) -> dict:
+        # A pickled reader would carry the whole file (its memory map pickles as bytes): the process that receives
+        # this config (a server's engine core) parses the file itself.
+        return self.__dict__ | {"gguf_reader": None}
 
     def default_sampling_params(self) -> dict:
         """The sampling fields that generation_config.json sets, with max_new_tokens named max_tokens."""

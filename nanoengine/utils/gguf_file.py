@@ -1,8 +1,9 @@
 """A GGUF file (llama.cpp's format) read as it is, through the `gguf` package: the model's config from its metadata,
 its tensors under Hugging Face's names, and which of the file's weight types the engine runs (and how).
 
-The engine keeps no converted copy: the config and tokenizer are rebuilt from the file's metadata on every load
-(transformers builds the tokenizer), and the tensors are read from the file's memory map as they are loaded.
+The engine keeps no converted copy: the file is parsed once per process (gguf's GGUFReader, which EngineConfig
+keeps), the config and tokenizer are rebuilt from its metadata (transformers' GGUF converter builds the tokenizer),
+and the tensors are read from the file's memory map as they are loaded.
 """
 
 import os
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.quants import Q4_K, dequantize
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 Type = GGMLQuantizationType
 # general.architecture -> (the config class, our model's architectures name)
@@ -19,8 +20,9 @@ ARCHITECTURES = {"llama": (LlamaConfig, "LlamaForCausalLM"), "qwen2": (Qwen2Conf
                  "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
 # The weight types the engine loads, by the format a linear layer keeps them in (docs/quantization.md): 4-bit (the
 # file's nibbles, a float16 scale and minimum per 32), int8 per output row (requantized), or the model's dtype.
+# llama-quantize writes Q5_0/Q5_1 beside Q4_K/Q5_K where a row is not a multiple of 256 (SmolLM2's 576).
 FOUR_BIT_TYPES = {Type.Q4_0, Type.Q4_1, Type.Q4_K}
-EIGHT_BIT_TYPES = {Type.Q8_0, Type.Q6_K}
+EIGHT_BIT_TYPES = {Type.Q8_0, Type.Q6_K, Type.Q5_0, Type.Q5_1, Type.Q5_K}
 FLOAT_TYPES = {Type.F32, Type.F16, Type.BF16}
 # general.file_type -> what dtype="auto" picks: a float file's own type, else (the quantized files) bfloat16
 AUTO_DTYPES = {LlamaFileType.ALL_F32: "float32", LlamaFileType.MOSTLY_F16: "float16"}
@@ -36,10 +38,10 @@ def is_gguf(model: str) -> bool:
     return str(model).endswith(".gguf") and os.path.isfile(model)
 
 
-def gguf_config(path: str) -> PretrainedConfig:
+def gguf_config(reader: GGUFReader) -> PretrainedConfig:
     """The Hugging Face config the file's metadata describes (Llama, Qwen2 or Qwen3); anything else, and a tensor of
     a type the engine does not run or with no place in the model, is refused here, before anything is built."""
-    reader = GGUFReader(path)
+    path = reader.data.filename
     architecture = field(reader, "general.architecture")
     if architecture not in ARCHITECTURES:
         raise ValueError(f"{path}: general.architecture {architecture!r} is not supported "
@@ -71,6 +73,28 @@ def gguf_config(path: str) -> PretrainedConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
         dtype=AUTO_DTYPES.get(file_type, "bfloat16"))
+
+
+def gguf_tokenizer(reader: GGUFReader) -> PreTrainedTokenizerFast:
+    """The tokenizer AutoTokenizer.from_pretrained(folder, gguf_file=...) builds, from the metadata already read:
+    transformers' GGUF converter builds it, fed as its get_gguf_tokenizer feeds it."""
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    tokenizer, options = (tokenizer_fields(reader, GGUF_TOKENIZER_MAPPING[group])
+                          for group in ("tokenizer", "tokenizer_config"))
+    if tokenizer.get("tokenizer_type") == "llama":
+        options.setdefault("add_bos_token", True)  # llama.cpp's default for a sentencepiece vocabulary
+    for name in ("bos", "eos", "unk", "pad"):
+        token_id = tokenizer.get(f"{name}_token_id")
+        options[f"{name}_token"] = None if token_id is None else tokenizer["tokens"][token_id]
+    backend, extra = convert_gguf_tokenizer(field(reader, "general.architecture"), tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=reader.data.filename, **options, **extra)
+
+
+def tokenizer_fields(reader: GGUFReader, renames: dict[str, str]) -> dict:
+    """The file's tokenizer.<key> fields it holds, under transformers' names (``renames``: key -> name)."""
+    return {name: field(reader, f"tokenizer.{key}") for key, name in renames.items()
+            if f"tokenizer.{key}" in reader.fields}
 
 
 def field(reader: GGUFReader, name: str, default=...):

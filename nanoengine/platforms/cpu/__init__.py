@@ -47,7 +47,7 @@ class CpuPlatform(Platform):
 
     def load_weights(self, model: nn.Module, config) -> None:
         if is_gguf(config.model):
-            load_gguf(model, config.model, config.hf_config)
+            load_gguf(model, config.gguf(), config.hf_config)
         else:
             super().load_weights(model, config)
 

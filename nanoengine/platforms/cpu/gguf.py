@@ -2,8 +2,8 @@
 the LM head) in the format nearest its tensors' type that the CPU multiplies, the other tensors in the model's dtype.
 
 - Q4_0, Q4_1, Q4_K: 4-bit (quantize.py's layout): the file's 4-bit values, scales and minimums, never widened.
-- Q8_0, Q6_K: int8 with a float32 scale per output row, quantized from the file's values (docs/quantization.md has
-  the perplexity cost).
+- Q8_0, Q6_K, Q5_0, Q5_1, Q5_K: int8 with a float32 scale per output row, quantized from the file's values
+  (docs/quantization.md has the perplexity cost).
 - F32, F16, BF16: the model's dtype, as a folder's weights.
 
 A merged layer (q/k/v, gate/up) whose parts differ takes the widest of their formats. A tied LM head whose
@@ -25,8 +25,7 @@ from nanoengine.utils.loader import check_all_loaded, load_tensor, target_of
 GROUP = 32  # the inputs per scale of every 4-bit type a file holds (Q4_K's 6-bit sub-block scales too)
 
 
-def load_gguf(model: nn.Module, path: str, config: PretrainedConfig) -> None:
-    reader = GGUFReader(path)
+def load_gguf(model: nn.Module, reader: GGUFReader, config: PretrainedConfig) -> None:
     tensors = {hf_name(tensor.name): tensor for tensor in reader.tensors}  # names and types checked by gguf_config
     embeddings = tensors["model.embed_tokens.weight"]
     if "lm_head.weight" not in tensors and embeddings.tensor_type in FOUR_BIT_TYPES | EIGHT_BIT_TYPES:
@@ -39,7 +38,7 @@ def load_gguf(model: nn.Module, path: str, config: PretrainedConfig) -> None:
         layer, _, kind = target_of(packed, name)[0].rpartition(".")
         for part, value in parts(name, tensor, formats.get(layer) if kind == "weight" else None, config):
             loaded.add(load_tensor(params, packed, part, value))
-    check_all_loaded(params, loaded, path)
+    check_all_loaded(params, loaded, reader.data.filename)
     modules = dict(model.named_modules())
     for layer in (name for name, fmt in formats.items() if fmt == "int8"):
         q, modules[layer].weight_scale = quantize(modules[layer].weight.detach())
