@@ -3,6 +3,7 @@ cpu_linear.cpp's W8A16 and W4A16 kernels against the dequantized weight's exact 
 float32 and bfloat16 runs."""
 
 import argparse
+import itertools
 import json
 import logging
 import shutil
@@ -294,16 +295,32 @@ def test_quantized_weights_give_what_float32_gives_with_the_dequantized_weights(
         assert row == pytest.approx(expected, abs=2e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_weights_in_our_kernel_give_what_they_give_dequantized_into_float32(qwen2_dirs, dtype):
+def test_int4_weights_in_our_kernel_give_what_they_give_dequantized_into_float32(qwen2_dirs):
     """quantization="int4" with every linear layer on cpu_linear.cpp's 4-bit kernel (and the decoder layers in one
-    call), against the same engine with each weight dequantized into the float32 scratch buffer."""
+    call), against the same engine with each weight dequantized into the float32 scratch buffer: in float32 the
+    same tokens and logprobs. In bfloat16 both paths round each output once, but where one output lands on the
+    other side of a bfloat16 step the layers after it carry that on, so neither is the other's reference: the
+    kernel's logprobs must be as near float32's as the dequantized path's are (within twice as far, which a
+    kernel off by more than a rounding step is not; the two paths came 0.10 apart at x86-64-v3)."""
     (tokens, logprobs), (expected_tokens, expected_logprobs) = (
-        run_with_kernel(qwen2_dirs["original"], kernel, dtype=dtype, quantization="int4")
+        run_with_kernel(qwen2_dirs["original"], kernel, dtype="float32", quantization="int4")
         for kernel in ("tiled", "float32"))
     assert tokens == expected_tokens
     for row, expected in zip(logprobs, expected_logprobs):
-        assert row == pytest.approx(expected, abs=2e-4 if dtype == "float32" else 0.1)
+        assert row == pytest.approx(expected, abs=2e-4)
+    (ours_tokens, ours), (path_tokens, path) = (
+        run_with_kernel(qwen2_dirs["original"], kernel, dtype="bfloat16", quantization="int4")
+        for kernel in ("tiled", "float32"))
+    assert ours_tokens == path_tokens
+
+    def farthest(rows):  # from float32's logprobs, up to where bfloat16's tokens leave float32's
+        rows_and_tokens = zip(rows, expected_logprobs, path_tokens, tokens)
+        gaps = [abs(mine - theirs) for row, reference, bf16_row, f32_row in rows_and_tokens
+                for mine, theirs, _, _ in itertools.takewhile(lambda t: t[2] == t[3],
+                                                              zip(row, reference, bf16_row, f32_row))]
+        return max(gaps, default=0.0)
+
+    assert 0 < farthest(ours) <= 2 * farthest(path)
 
 
 def run_with_kernel(folder: str, kernel: str, **options) -> tuple[list[list[int]], list[list[float]]]:
