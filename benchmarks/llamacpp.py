@@ -210,15 +210,13 @@ def convert(source: Path, model: str, out: Path) -> None:
 
 def main(argv=None) -> None:
     from benchmarks.common import model_for
-    from nanoengine.utils.default_model import default_model_path
 
     parser = argparse.ArgumentParser(description="llama.cpp's model files for the benches")
     parser.add_argument("command", choices=["convert"])
     parser.add_argument("--source", type=Path, required=True, help="the vendored llama.cpp source folder")
     parser.add_argument("--model", help="a Hugging Face model folder, or random:NAME (default: the default model)")
     args = parser.parse_args(argv)
-    convert(args.source, model_for(argparse.Namespace(model=args.model, preset="llamacpp")) if args.model
-            else default_model_path(), MODELS)
+    convert(args.source, model_for(argparse.Namespace(model=args.model, preset="cpu")), MODELS)
 
 
 if __name__ == "__main__":

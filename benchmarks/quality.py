@@ -81,6 +81,13 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tupl
     return sum(p == 1 for p in prefixes), sum(prefixes) / len(prefixes)
 
 
+def announced(run: dict, reference: list[list[int]]) -> dict:
+    """Our ``run`` with how its greedy answers agree with ``reference``, printed as soon as it is scored."""
+    run["identical_answers"], run["greedy_prefix"] = greedy_agreement(reference, run.pop("greedy"))
+    print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
+    return run
+
+
 def quality_preset(args) -> dict:
     """Our perplexity in bfloat16 and float32, in bfloat16 with int8 weights, an int8 KV cache and both, and int4
     weights; llama.cpp's with each of its files (once `make llamacpp` has made them) and ours reading the same file,
@@ -97,16 +104,12 @@ def quality_preset(args) -> dict:
     chat = grounded_prompts(AutoTokenizer.from_pretrained(model), GREEDY_PROMPTS)
     runs = [engine_perplexity(model, dtype, n_ctx, greedy_prompts=chat, **options) for dtype, options in QUALITY_RUNS]
     reference = runs[0]["greedy"]
-    for run in runs:
-        run["identical_answers"], run["greedy_prefix"] = greedy_agreement(reference, run.pop("greedy"))
-        print(f"bench: {run['engine']}: perplexity {run['perplexity']:.4f}", flush=True)
+    runs = [announced(run, reference) for run in runs]
     peers, tokens_note = llamacpp_perplexities(model, n_ctx, TEXT)
     for gguf, peer in peers.items():  # each of llama.cpp's files read by us too, at bfloat16
         ours = engine_perplexity(str(gguf), "bfloat16", n_ctx, greedy_prompts=chat)
         ours["engine"] = peer["engine"].replace("llama.cpp", "nanoengine bfloat16")
-        ours["identical_answers"], ours["greedy_prefix"] = greedy_agreement(reference, ours.pop("greedy"))
-        runs += [peer, ours]
-        print(f"bench: {ours['engine']}: perplexity {ours['perplexity']:.4f}", flush=True)
+        runs += [peer, announced(ours, reference)]
     return {"preset": "quality", "model": model, "text": TEXT.name, "n_ctx": n_ctx, "runs": runs,
             "tokens_note": tokens_note, "greedy_prompts": len(chat), "greedy_tokens": GREEDY_TOKENS}
 

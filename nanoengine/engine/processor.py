@@ -18,10 +18,8 @@ from nanoengine.utils.gguf_file import gguf_tokenizer, is_gguf
 
 def load_tokenizer(config: EngineConfig):
     """A folder's tokenizer, or the one a GGUF file's metadata describes (the model's file, read once, or another)."""
-    if config.tokenizer == config.model and is_gguf(config.model):
-        return gguf_tokenizer(config.gguf())
     if is_gguf(config.tokenizer):
-        return gguf_tokenizer(GGUFReader(config.tokenizer))
+        return gguf_tokenizer(config.gguf() if config.tokenizer == config.model else GGUFReader(config.tokenizer))
     return AutoTokenizer.from_pretrained(config.tokenizer)
 
 
