@@ -146,15 +146,19 @@ def test_the_int8_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
 
 @pytest.mark.parametrize("dtype", ACTIVATIONS, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (112, 160)])
-def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features):
+@pytest.mark.parametrize("symmetric", [False, True], ids=["min", "no-min"])
+def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_ops, dtype, out_features, in_features,
+                                                                         symmetric):
     """Rows 1..33 (every split of the 2-row, 4-row and 8-row tiles and each remainder) and 300, partial tiles of
-    blocks (3 and 7 blocks), one to five groups of 32 inputs, with and without bias, NaN in out before each call.
-    The kernel sums x (1 + q/16) per group and makes them sums of x w at the group's end: its float32 sums hold
-    terms up to x (32 scale + |min|)."""
+    blocks (3 and 7 blocks), one to five groups of 32 inputs, with and without bias, NaN in out before each call;
+    with a minimum per group, and without (a Q4_0 file's weight: min = -8 scale).
+    The kernel sums x (1 + q/16) per group and makes them sums of x w at the group's end, 16 scale times those
+    plus (min - 16 scale) sum(x): its float32 sums hold terms up to x (48 scale + |min|)."""
     torch.manual_seed(out_features)
     q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
+    minimum = None if symmetric else minimum
     packed, wide = pack_steps(q), dequantize_int4(q, scale, minimum)
-    summed = (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    summed = (48 * scale.float() + (8 * scale if symmetric else minimum).float().abs()).repeat_interleave(32, dim=1)
     for rows in [*range(1, 34), 300]:
         x = torch.randn(rows, in_features, dtype=dtype)
         for bias in (None, torch.randn(out_features, dtype=dtype)):
@@ -171,7 +175,7 @@ def test_the_4_bit_kernel_cuts_a_large_x_into_panels_each_with_its_own_group_sum
     rows, out_features, in_features = 640, 32, 1024
     q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
     wide = dequantize_int4(q, scale, minimum)
-    summed = (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    summed = (48 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
     x = torch.randn(rows, in_features, dtype=dtype) + 1
     out = torch.full((rows, out_features), float("nan"), dtype=dtype)
     cpu_ops.linear(x, pack_steps(q), *tiled_scales(q, scale, minimum), None, out)
@@ -198,7 +202,7 @@ def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, 
     wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
     out = linear(wide[..., :64], q, bias, choice)
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
-    summed = None if minimum is None else (32 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    summed = None if minimum is None else (48 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
     assert_dequantized_product(out.view(6, 64), wide[..., :64].reshape(6, 64), wide_weight, bias, summed)
 
 
@@ -227,7 +231,7 @@ def test_the_int4_kernel_refuses_what_it_cannot_read_naming_it(cpu_ops):
     for args, message in (((x, packed, None, step_min, None, out), "needs its scale, float16 \\[N/16, K/32, 16\\]"),
                           ((x, packed, scale, step_min, None, out), "needs its scale"),  # not packed for the kernel
                           ((x, packed, step_scale.float(), step_min, None, out), "needs its scale"),
-                          ((x, packed, step_scale, None, None, out), "needs its minimum"),
+                          ((x, packed, step_scale, step_min.float(), None, out), "needs its minimum"),
                           ((x, packed, step_scale, step_min[:1], None, out), "needs its minimum"),
                           ((x.to(torch.int8), packed, step_scale, step_min, None, out.to(torch.int8)),
                            "a 4-bit weight's x is float32, bfloat16 or float16"),

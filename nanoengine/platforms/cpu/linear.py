@@ -52,7 +52,7 @@ class KernelChoice:
     steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "tiled"
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
     scale: torch.Tensor | None = None  # an int8 weight's float32 scale per output, a 4-bit one's per group
-    minimum: torch.Tensor | None = None  # a 4-bit weight's minimum per group (quantize.py)
+    minimum: torch.Tensor | None = None  # a 4-bit weight's minimum per group (quantize.py), but a symmetric one's
     steps_scale: torch.Tensor | None = None  # ``scale`` as "tiled" reads it (tiled_scales)
     steps_min: torch.Tensor | None = None  # ``minimum`` as "tiled" reads it
 
@@ -121,10 +121,11 @@ def pack_steps(weight: torch.Tensor) -> torch.Tensor:
 def tiled_scales(weight: torch.Tensor, scale: torch.Tensor | None,
                  minimum: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """What cpu_linear.cpp takes beside ``pack_steps(weight)``: an int8 weight's scale as it is; a 4-bit weight's
-    scale and minimum [N, K/32] as [N/16, K/32, 16], a block's 16 outputs side by side for each group."""
+    scale and minimum (if any) [N, K/32] as [N/16, K/32, 16], a block's 16 outputs side by side for each group."""
     if weight.dtype != torch.uint8:
         return scale, None
-    return tuple(t.view(t.shape[0] // 16, 16, -1).transpose(1, 2).contiguous() for t in (scale, minimum))
+    return tuple(None if t is None else t.view(t.shape[0] // 16, 16, -1).transpose(1, 2).contiguous()
+                 for t in (scale, minimum))
 
 
 def inputs_per_step(dtype: torch.dtype) -> int:

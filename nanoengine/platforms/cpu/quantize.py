@@ -11,7 +11,8 @@ ranks quantize exactly as one does.
 4-bit weights (``quantization="int4"``, and a GGUF file's Q4_0, Q4_1 and Q4_K): a layer keeps ``weight`` as uint8
 [N, K/2], ``weight_scale`` and ``weight_min``, float16 [N, K/group]: weight ~= q * scale + min, q in 0..15, a
 group's first half of q in the low nibbles of its K/2 bytes and its second half in the high ones (llama.cpp's Q4_1
-layout, so a Q4_0 or Q4_1 file's bytes are kept as they are). The LM head stays int8, as llama.cpp keeps its
+layout, so a Q4_0 or Q4_1 file's bytes are kept as they are). A Q4_0 file's layer has no ``weight_min``: its
+minimum is -8 scale, and not storing it saves a tenth of the bytes. The LM head stays int8, as llama.cpp keeps its
 output layer at 6 or 8 bits: in 4 bits it cost SmolLM2 +5.4% perplexity, in int8 nothing measurable.
 """
 
@@ -63,16 +64,17 @@ def unpack_int4(packed: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     return torch.cat([halves & 15, halves >> 4], dim=2).view(packed.shape[0], -1)
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
                     into: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 weight [N, K] that a 4-bit one stands for (q * scale + min, rounded once), in ``into`` or a new
-    tensor: the oracle's math."""
+    """The float32 weight [N, K] that a 4-bit one stands for (q * scale + min, rounded once; without ``minimum``,
+    min = -8 scale), in ``into`` or a new tensor: the oracle's math."""
     rows, groups = scale.shape
     nibbles = packed.view(rows, groups, -1)
     wide = (torch.empty(rows, packed.shape[1] * 2) if into is None else into).view(rows, groups, 2, -1)
     wide[:, :, 0] = nibbles & 15
     wide[:, :, 1] = nibbles >> 4
-    wide.mul_(scale.float().view(rows, groups, 1, 1)).add_(minimum.float().view(rows, groups, 1, 1))
+    minimum = -8 * scale.float() if minimum is None else minimum.float()
+    wide.mul_(scale.float().view(rows, groups, 1, 1)).add_(minimum.view(rows, groups, 1, 1))
     return wide.view(rows, -1)
 
 
