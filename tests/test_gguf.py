@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import TINY_CONFIGS, build_tiny_model
 from gguf import GGMLQuantizationType as Type
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
@@ -19,11 +19,12 @@ from transformers import AutoTokenizer
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
+from nanoengine.layers.rotary import inverse_frequencies
 from nanoengine.models.llama import head_dim_of
 from nanoengine.platforms.cpu.quantize import dequantize_int4, pack_int4
 from nanoengine.quantization import quantize as quantize_int8
 from nanoengine.utils.default_model import find_gguf
-from nanoengine.utils.gguf_file import as_float32, four_bit, gguf_tokenizer
+from nanoengine.utils.gguf_file import as_float32, four_bit, gguf_config, gguf_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 PROMPTS = [[1000 + 37 * i for i in range(n)] for n in (3, 17, 40)] + [[5, 6, 7, 8]]
@@ -65,8 +66,8 @@ def permuted(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path, arch: str, config, weights: dict[str, np.ndarray], types: dict) -> None:
-    """A GGUF file as llama.cpp's converter writes one: metadata, SmolLM2's tokenizer, the weights in ``types``
-    (F32 where not named)."""
+    """A GGUF file as llama.cpp's converter writes one: metadata, SmolLM2's tokenizer, Llama 3.1's rope scaling as
+    its factors, the weights in ``types`` (F32 where not named)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -86,6 +87,8 @@ def write_gguf(path, arch: str, config, weights: dict[str, np.ndarray], types: d
     writer.add_token_merges(tokenizer["tokenizer.ggml.merges"].contents())
     writer.add_eos_token_id(tokenizer["tokenizer.ggml.eos_token_id"].contents())
     writer.add_chat_template(tokenizer["tokenizer.chat_template"].contents())
+    if config.rope_parameters["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim_of(config), config.rope_parameters))
     for name, weight in weights.items():
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             weight = permuted(weight, config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads)
@@ -100,6 +103,19 @@ def write_gguf(path, arch: str, config, weights: dict[str, np.ndarray], types: d
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
+    """What llama.cpp's converter writes for Llama 3.1's rope scaling: each frequency's divisor, 1 for a wavelength
+    shorter than the old context / high_freq_factor, ``factor`` for one longer than it / low_freq_factor, and
+    blended between."""
+    factor, low, high, context = (rope[key] for key in ("factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings"))
+    wavelengths = 2 * np.pi * rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (context / wavelengths - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelengths < context / high, 1.0, np.where(wavelengths > context / low, factor, blended)).astype(
+        np.float32)
 
 
 def what_the_engine_runs(name: str, weight: np.ndarray, tensor_type) -> torch.Tensor:
@@ -121,8 +137,7 @@ def gguf_and_folder(request, tmp_path_factory, smollm2_dir):
     """(a GGUF file of a tiny random model, a float32 folder with the weights the engine runs from it)."""
     arch = request.param
     folder = tmp_path_factory.mktemp(f"gguf-{arch}")
-    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}} if arch == "llama" else {}
-    model = build_tiny_model(arch, folder, smollm2_dir, initializer_range=0.5, **rope)
+    model = build_tiny_model(arch, folder, smollm2_dir, initializer_range=0.5)  # the Llama's rope: Llama 3.1's
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight")
@@ -142,22 +157,28 @@ def gguf_and_folder(request, tmp_path_factory, smollm2_dir):
 def run(model: str, **options):
     with LLM(model, **ENGINE, **options) as llm:
         completions = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        formats = {name: str(p.dtype).removeprefix("torch.") for name, p in llm.llm_engine.model_executor.runner
-                   .model.named_parameters() if name.endswith("proj.weight") or name == "lm_head.weight"}
+        model = llm.llm_engine.model_executor.runner.model
+        formats = {name: str(p.dtype).removeprefix("torch.") for name, p in model.named_parameters()
+                   if name.endswith("proj.weight") or name == "lm_head.weight"}
+        minimums = {name: hasattr(m, "weight_min") for name, m in model.named_modules() if name.endswith("proj")}
     return ([c.token_ids for c in completions],
-            [[entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)] for c in completions], formats)
+            [[entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)] for c in completions], formats,
+            minimums)
 
 
 def test_a_gguf_file_gives_what_its_weights_dequantized_into_a_float32_folder_give(gguf_and_folder):
     path, folder = gguf_and_folder
-    tokens, logprobs, formats = run(path, dtype="float32")
+    tokens, logprobs, formats, minimums = run(path, dtype="float32")
     assert formats["model.layers.0.self_attn.qkv_proj.weight"] == "uint8"  # 4-bit, two to a byte
     assert formats["model.layers.0.mlp.down_proj.weight"] == "uint8"
+    assert formats["model.layers.0.mlp.gate_up_proj.weight"] == "uint8"  # all Q4_0: no minimums, they are -8 scale
+    assert not minimums["model.layers.0.mlp.gate_up_proj"]
+    assert minimums["model.layers.0.self_attn.qkv_proj"]  # Q4_0 beside Q4_1: Q4_0's minimums kept as -8 scale
     assert formats["model.layers.1.self_attn.qkv_proj.weight"] == "float32"  # F16 beside 4-bit: the model's dtype
     assert formats["model.layers.1.self_attn.o_proj.weight"] == "int8"  # Q5_1
     assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "int8"  # Q5_0 beside 4-bit
     assert formats["lm_head.weight"] in ("int8", "uint8")  # the tied Q8_0 embeddings' copy, or output.weight's Q4_1
-    expected_tokens, expected_logprobs, _ = run(folder, dtype="float32")
+    expected_tokens, expected_logprobs, *_ = run(folder, dtype="float32")
     assert tokens == expected_tokens
     # The 4-bit kernel sums each group of 32 inputs as x (1 + q/16) before its scale and minimum (cpu_linear.cpp's
     # Int4), whose float32 roundings move this sharp model's logprobs by up to 2.4e-4.
@@ -256,8 +277,10 @@ def test_the_shipped_smollm2_file_answers_from_its_4_bit_weights(smollm2_dir):
 
 # Refusals -------------------------------------------------------------------------------------------------------------
 
-def minimal_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Type]]) -> str:
+def minimal_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Type]], strings: dict | None = None) -> str:
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
     for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 64, "feed_forward_length": 128,
                        "attention.head_count": 4}.items():
         writer.add_uint32(f"{arch}.{key}", value)
@@ -312,9 +335,19 @@ def test_a_tensor_with_no_place_in_the_model_is_refused_by_name(tmp_path):
         LLM(path)
 
 
-def test_rope_scaling_is_refused(tmp_path):
-    path = minimal_gguf(tmp_path / "llama3.gguf", "llama", {"rope_freqs.weight": (np.ones(8, np.float32), Type.F32)})
-    with pytest.raises(ValueError, match="rope_freqs.weight tensor.*is not supported"):
+def test_llama_3_1_rope_factors_scale_the_frequencies_and_other_rope_scaling_is_refused(tmp_path):
+    rope = TINY_CONFIGS["llama"]().rope_parameters | {"rope_theta": 10000.0}  # the file's: it sets no freq_base
+    factors = llama3_rope_factors(16, rope)
+    assert factors.min() == 1 and factors.max() == rope["factor"] and len(set(factors.tolist())) > 2  # all 3 kinds
+    config = gguf_config(gguf.GGUFReader(minimal_gguf(tmp_path / "llama3.gguf", "llama", {
+        "rope_freqs.weight": (factors, Type.F32)})))
+    assert inverse_frequencies(16, config.rope_parameters).tolist() == pytest.approx(
+        inverse_frequencies(16, rope).tolist(), rel=1e-6)
+    path = minimal_gguf(tmp_path / "odd.gguf", "llama", {"rope_freqs.weight": (np.ones(5, np.float32), Type.F32)})
+    with pytest.raises(ValueError, match="rope_freqs.weight holds 5 factors, not head_dim / 2 = 8"):
+        LLM(path)
+    path = minimal_gguf(tmp_path / "linear.gguf", "llama", {}, {"llama.rope.scaling.type": "linear"})
+    with pytest.raises(ValueError, match="llama.rope.scaling.type 'linear' is not supported"):
         LLM(path)
 
 

@@ -22,6 +22,8 @@ ARCHITECTURES = {"llama": (LlamaConfig, "LlamaForCausalLM"), "qwen2": (Qwen2Conf
 # file's nibbles, a float16 scale and minimum per 32), int8 per output row (requantized), or the model's dtype.
 # llama-quantize writes Q5_0/Q5_1 beside Q4_K/Q5_K where a row is not a multiple of 256 (SmolLM2's 576).
 FOUR_BIT_TYPES = {Type.Q4_0, Type.Q4_1, Type.Q4_K}
+# Llama 3.1's rope scaling as llama.cpp's converter writes it: a factor per frequency, which it divides
+ROPE_FACTORS = "rope_freqs.weight"
 EIGHT_BIT_TYPES = {Type.Q8_0, Type.Q6_K, Type.Q5_0, Type.Q5_1, Type.Q5_K}
 FLOAT_TYPES = {Type.F32, Type.F16, Type.BF16}
 # general.file_type -> what dtype="auto" picks: a float file's own type, else (the quantized files) bfloat16
@@ -52,16 +54,16 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         return field(reader, f"{architecture}.{name}", default)
 
     rope_scaling = key("rope.scaling.type", "none")
-    if rope_scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{path}: rope scaling ({architecture}.rope.scaling.type {rope_scaling!r}, or a "
-                         "rope_freqs.weight tensor) is not supported in a GGUF file")
-    for tensor in reader.tensors:
+    if rope_scaling != "none":
+        raise ValueError(f"{path}: {architecture}.rope.scaling.type {rope_scaling!r} is not supported in a GGUF file "
+                         "(Llama 3.1's scaling, a rope_freqs.weight tensor, is)")
+    for tensor in weight_tensors(reader):
         check_type(tensor.name, tensor.tensor_type)
         hf_name(tensor.name)
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     file_type = field(reader, "general.file_type", None)
-    return config_class(
+    config = config_class(
         architectures=[model_class], hidden_size=hidden, intermediate_size=key("feed_forward_length"),
         num_hidden_layers=key("block_count"), num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
@@ -73,6 +75,19 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
         dtype=AUTO_DTYPES.get(file_type, "bfloat16"))
+    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    if factors is not None:  # set after validation: Hugging Face's rope parameters have no such key
+        factors = as_float32(factors.data, factors.tensor_type).flatten().tolist()
+        if len(factors) != config.head_dim // 2:
+            raise ValueError(f"{path}: {ROPE_FACTORS} holds {len(factors)} factors, not head_dim / 2 = "
+                             f"{config.head_dim // 2}")
+        config.rope_parameters["frequency_factors"] = factors
+    return config
+
+
+def weight_tensors(reader: GGUFReader) -> list:
+    """The file's tensors that are the model's weights (all but Llama 3.1's rope factors)."""
+    return [tensor for tensor in reader.tensors if tensor.name != ROPE_FACTORS]
 
 
 def gguf_tokenizer(reader: GGUFReader) -> PreTrainedTokenizerFast:

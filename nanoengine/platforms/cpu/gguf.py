@@ -1,7 +1,8 @@
 """A GGUF file's weights loaded as the file holds them (utils/gguf_file.py reads the file): each linear layer (and
 the LM head) in the format nearest its tensors' type that the CPU multiplies, the other tensors in the model's dtype.
 
-- Q4_0, Q4_1, Q4_K: 4-bit (quantize.py's layout): the file's 4-bit values, scales and minimums, never widened.
+- Q4_0, Q4_1, Q4_K: 4-bit (quantize.py's layout): the file's 4-bit values, scales and minimums, never widened (a
+  layer all Q4_0 keeps no minimums: they are -8 scale).
 - Q8_0, Q6_K, Q5_0, Q5_1, Q5_K: int8 with a float32 scale per output row, quantized from the file's values
   (docs/quantization.md has the perplexity cost).
 - F32, F16, BF16: the model's dtype, as a folder's weights.
@@ -19,14 +20,22 @@ from nanoengine.layers.embedding import ParallelLMHead
 from nanoengine.layers.linear import LinearBase
 from nanoengine.platforms.cpu.quantize import pack_int4
 from nanoengine.quantization import quantize
-from nanoengine.utils.gguf_file import EIGHT_BIT_TYPES, FOUR_BIT_TYPES, as_float32, four_bit, hf_name
+from nanoengine.utils.gguf_file import (
+    EIGHT_BIT_TYPES,
+    FOUR_BIT_TYPES,
+    Type,
+    as_float32,
+    four_bit,
+    hf_name,
+    weight_tensors,
+)
 from nanoengine.utils.loader import check_all_loaded, load_tensor, target_of
 
 GROUP = 32  # the inputs per scale of every 4-bit type a file holds (Q4_K's 6-bit sub-block scales too)
 
 
 def load_gguf(model: nn.Module, reader: GGUFReader, config: PretrainedConfig) -> None:
-    tensors = {hf_name(tensor.name): tensor for tensor in reader.tensors}  # names and types checked by gguf_config
+    tensors = {hf_name(t.name): t for t in weight_tensors(reader)}  # names and types checked by gguf_config
     embeddings = tensors["model.embed_tokens.weight"]
     if "lm_head.weight" not in tensors and embeddings.tensor_type in FOUR_BIT_TYPES | EIGHT_BIT_TYPES:
         tensors["lm_head.weight"] = embeddings
@@ -46,8 +55,8 @@ def load_gguf(model: nn.Module, reader: GGUFReader, config: PretrainedConfig) ->
 
 
 def layer_formats(model: nn.Module, tensors: dict, packed: dict) -> dict[str, str]:
-    """Per linear layer whose weights the file holds quantized, "int4" or "int8"; its storage made ready for them
-    (int8 weights are loaded into a float32 one, quantized once whole)."""
+    """Per linear layer whose weights the file holds quantized, "int4", "int4 symmetric" (all Q4_0) or "int8"; its
+    storage made ready for them (int8 weights are loaded into a float32 one, quantized once whole)."""
     types: dict[str, set] = {}
     for name, tensor in tensors.items():
         if name.endswith(".weight"):
@@ -55,7 +64,9 @@ def layer_formats(model: nn.Module, tensors: dict, packed: dict) -> dict[str, st
     formats = {}
     for name, module in model.named_modules():
         if isinstance(module, LinearBase | ParallelLMHead) and name in types:
-            if types[name] <= FOUR_BIT_TYPES:
+            if types[name] == {Type.Q4_0}:
+                formats[name] = "int4 symmetric"
+            elif types[name] <= FOUR_BIT_TYPES:
                 formats[name] = "int4"
             elif types[name] <= FOUR_BIT_TYPES | EIGHT_BIT_TYPES:
                 formats[name] = "int8"
@@ -68,9 +79,11 @@ def layer_formats(model: nn.Module, tensors: dict, packed: dict) -> dict[str, st
 def give_storage(module: nn.Module, fmt: str) -> None:
     rows, inputs = module.weight.shape
     loader = module.weight.weight_loader
-    shapes = ({"weight": ((rows, inputs // 2), torch.uint8), "weight_scale": ((rows, inputs // GROUP), torch.float16),
-               "weight_min": ((rows, inputs // GROUP), torch.float16)} if fmt == "int4"
-              else {"weight": ((rows, inputs), torch.float32)})
+    groups = ((rows, inputs // GROUP), torch.float16)
+    shapes = ({"weight": ((rows, inputs // 2), torch.uint8), "weight_scale": groups, "weight_min": groups}
+              if fmt.startswith("int4") else {"weight": ((rows, inputs), torch.float32)})
+    if fmt == "int4 symmetric":
+        del shapes["weight_min"]
     for name, (shape, dtype) in shapes.items():
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device=module.weight.device), requires_grad=False)
         param.weight_loader = loader
@@ -80,10 +93,11 @@ def give_storage(module: nn.Module, fmt: str) -> None:
 def parts(name: str, tensor, fmt: str | None, config: PretrainedConfig):
     """(name, value) of what the model loads from one tensor of the file: a 4-bit weight's packed values, scales
     and minimums, or the tensor's values in float32."""
-    if fmt == "int4":
+    if fmt in ("int4", "int4 symmetric"):
         q, scale, minimum = (unpermuted(name, value, config) for value in four_bit(tensor.data, tensor.tensor_type))
         stem = name.removesuffix(".weight")
-        return [(name, pack_int4(q, GROUP)), (f"{stem}.weight_scale", scale), (f"{stem}.weight_min", minimum)]
+        kept = [(name, pack_int4(q, GROUP)), (f"{stem}.weight_scale", scale), (f"{stem}.weight_min", minimum)]
+        return kept[:2] if fmt == "int4 symmetric" else kept
     return [(name, unpermuted(name, as_float32(tensor.data, tensor.tensor_type), config))]
 
 
