@@ -13,10 +13,12 @@ import torch
 from conftest import TINY_CONFIGS, build_tiny_model
 from gguf import GGMLQuantizationType as Type
 from gguf.quants import dequantize, quantize
+from openai import OpenAI
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
+from benchmarks.serve import running_server
 from nanoengine import LLM, SamplingParams
 from nanoengine.config import EngineConfig
 from nanoengine.layers.rotary import inverse_frequencies
@@ -184,6 +186,25 @@ def test_a_gguf_file_gives_what_its_weights_dequantized_into_a_float32_folder_gi
     # Int4), whose float32 roundings move this sharp model's logprobs by up to 2.4e-4.
     for row, expected in zip(logprobs, expected_logprobs):
         assert row == pytest.approx(expected, abs=5e-4)
+
+
+@pytest.mark.parametrize("gguf_and_folder", ["llama"], indirect=True)
+def test_nanoengine_serve_runs_a_gguf_file_as_llm_does(gguf_and_folder):
+    """The file served as it is: listed by its name, and the openai client's completion and chat get the offline
+    engine's text (the chat through the file's own template)."""
+    path = gguf_and_folder[0]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with LLM(path, **ENGINE) as llm:
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        expected = [llm.generate(["The cat sat on"], greedy, use_tqdm=False)[0].outputs[0].text,
+                    llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0].text]
+    with running_server(path, "--max-model-len", str(ENGINE["max_model_len"])) as (_, url):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [os.path.basename(path)]
+        options = dict(model=os.path.basename(path), temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+        completion = client.completions.create(prompt="The cat sat on", **options).choices[0].text
+        chat = client.chat.completions.create(messages=messages, **options).choices[0].message.content
+    assert [completion, chat] == expected and all(expected)
 
 
 def test_a_gguf_file_reads_its_config_and_tokenizer(gguf_and_folder):
