@@ -55,11 +55,11 @@ struct Step<int8_t> {
 };
 
 // 4-bit (W4A16): a step is eight inputs of 16 outputs, one 32-bit word per output: input 2p's q (p = 0..3) at bits
-// [4p, 4p + 4), input 2p + 1's at bits [16 + 4p, 20 + 4p). Each q is widened as 1 + q/16 (exact in bfloat16 and
-// float32: two operations, where q itself takes three) and multiplied by x into partial sums per group of 32
-// inputs, which become sums of x w at the group's end (add_group): w = q scale + min = 16 scale (1 + q/16) + min -
-// 16 scale, so sum(x w) = 16 scale partial + (min - 16 scale) sum(x). Widening is the cost that limits few rows;
-// this takes a third of what converting each q to float32 and multiplying by its scale and minimum took.
+// [4p, 4p + 4), input 2p + 1's at bits [16 + 4p, 20 + 4p). Each q is widened where it lies, as q 2^at (two
+// operations: nibble_in_place16), and meets x pre-scaled by 2^-at (exact: a power of two), in float32 FMAs into
+// partial sums of x q per group of 32 inputs, which become sums of x w at the group's end (add_group):
+// sum(x w) = scale partial + min sum(x). Widening is the cost that limits few rows: shifting each q under 1.0's
+// exponent first (1 + q/16) took three operations with AVX2, and one row ran at 0.75x the memory's speed.
 struct Int4 {
   uint8_t byte;
 };
@@ -73,6 +73,8 @@ template <>
 constexpr bool kGrouped<Int4> = true;
 constexpr int64_t kStepsPerGroup = 4;
 constexpr int kNibbleAt[8] = {0, 16, 4, 20, 8, 24, 12, 28};  // the bits of each input of a step
+// What nibble_in_place16 multiplies each input of a step's q by: 2^at, but the top one's, shifted down.
+constexpr float nibble_weight(int input) { return kNibbleAt[input] == 28 ? 1.f : float(1u << kNibbleAt[input]); }
 
 #if defined(__AVX512BF16__)
 // With AVX512-BF16 a bfloat16 step is a pair of inputs (k, k + 1), which `vdpbf16ps` multiplies by a broadcast
@@ -242,10 +244,10 @@ void multiply_add_nibbles(const Operands<W, T>& op, int64_t row, int64_t s, cons
     }
 #endif
   } else {
-    const float* x = op.x + (row * op.steps + s) * 8;  // row r's inputs: x[r 8 steps + i]
+    const float* x = op.x + (row * op.steps + s) * 8;  // row r's inputs: x[r 8 steps + i], scaled by 2^-at
     for (int i = 0; i < 8; ++i) {
       Vec16 wide[V];
-      for (int v = 0; v < V; ++v) wide[v] = nibble_plus_one16(words[v], kNibbleAt[i]);
+      for (int v = 0; v < V; ++v) wide[v] = nibble_in_place16(words[v], kNibbleAt[i]);
       for (int r = 0; r < R; ++r) {
         const Vec16 broadcast = broadcast16(x[r * op.steps * 8 + i]);
         for (int v = 0; v < V; ++v) {
@@ -257,18 +259,19 @@ void multiply_add_nibbles(const Operands<W, T>& op, int64_t row, int64_t s, cons
   }
 }
 
-// A group's partial sums of x (1 + q/16) made sums of x w and added: 16 scale partial + (min - 16 scale) sum(x),
-// whose second factor is shared by a block's rows (three operations a row and block, where subtracting sum(x) from
-// the partial sums first took four: a prompt's 4-bit layers took 5% less time). A weight without minimums (a
-// Q4_0 file's: min = -8 scale) has min - 16 scale = -1.5 (16 scale), exactly.
+// A group's partial sums made sums of x w and added: of x q (Int4), scale partial + min sum(x); of x (1 + q/16)
+// (Int4Pairs), 16 scale partial + (min - 16 scale) sum(x), whose second factor is shared by a block's rows (three
+// operations a row and block, where subtracting sum(x) from the partial sums first took four: a prompt's 4-bit
+// layers took 5% less time). A weight without minimums (a Q4_0 file's) has min = -8 scale.
 template <typename W, typename T, int R, int V>
 void add_group(const Operands<W, T>& op, int64_t row, int64_t block, int64_t group,
                Vec16 (&partial)[kPartialSets<R, V>][R][V], Vec16 (&sums)[R][V]) {
   const int64_t groups = op.steps / kStepsPerGroup;
   for (int v = 0; v < V; ++v) {
     const int64_t at = ((block + v) * groups + group) * kLanes;
-    const Vec16 scale = load16(op.group_scale + at) * broadcast16(16.f);
-    const Vec16 offset = op.group_min ? load16(op.group_min + at) - scale : scale * broadcast16(-1.5f);
+    const Vec16 scale = load16(op.group_scale + at) * broadcast16(kPairs<W> ? 16.f : 1.f);
+    const Vec16 minimum = op.group_min ? load16(op.group_min + at) : load16(op.group_scale + at) * broadcast16(-8.f);
+    const Vec16 offset = kPairs<W> ? minimum - scale : minimum;
     for (int r = 0; r < R; ++r) {
       Vec16 both = partial[0][r][v];
       for (int set = 1; set < kPartialSets<R, V>; ++set) both = both + partial[set][r][v];
@@ -367,6 +370,13 @@ void run(const Operands<W, T>& op) {
   });
 }
 
+// What x's inputs are multiplied by to meet a step's q as nibble_in_place16 widens them: 2^-at, exactly.
+at::Tensor nibble_scales(int64_t inputs) {
+  std::vector<float> scales(inputs);
+  for (int64_t k = 0; k < inputs; ++k) scales[k] = 1.f / nibble_weight(int(k % 8));
+  return at::from_blob(scales.data(), {inputs}, at::kFloat).clone();
+}
+
 // The sum of each group of 32 of ``count`` inputs (as the kernel reads them: bfloat16 x widened exactly).
 template <typename X>
 std::vector<float> group_sums(const X* x, int64_t count) {
@@ -402,9 +412,10 @@ template <typename W, typename T = W>
 void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                const c10::optional<at::Tensor>& minimum, const c10::optional<at::Tensor>& bias,
                const at::Tensor& out) {
-  const at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
+  at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
   const bool grouped = kGrouped<W>;
   const std::vector<float> x_sums = grouped ? group_sums(input.data_ptr<Input<W>>(), x.numel()) : std::vector<float>();
+  if constexpr (std::is_same_v<W, Int4>) input = input * nibble_scales(x.size(1));
   run_in_tiles(Operands<W, T>{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
                               scale && !grouped ? scale->data_ptr<float>() : nullptr,
                               grouped ? scale->data_ptr<at::Half>() : nullptr,

@@ -9,8 +9,9 @@
 //
 // 16 lanes everywhere, so that every packed layout (16 outputs of a linear layer, 16 keys of a run) is the same
 // on every CPU; kVectorRegisters says how many Vec16 a tile may keep live. Loads widen float32, bfloat16,
-// float16 and int8 exactly (and 4-bit values as 1 + q/16); stores round to nearest, ties to even, as torch does. Only the dot-product
-// micro-kernels that have a special instruction (AVX512-BF16's vdpbf16ps) are written outside this layer.
+// float16 and int8 exactly (and 4-bit values where they lie in a word); stores round to nearest, ties to even, as
+// torch does. Only the dot-product micro-kernels that have a special instruction (AVX512-BF16's vdpbf16ps) are
+// written outside this layer.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -117,12 +118,11 @@ inline Nibbles16 load_nibbles16(const uint8_t* p) { return {_mm512_loadu_si512(p
 inline __m512i shift_words(__m512i words, int n) {
   return n >= 0 ? _mm512_slli_epi32(words, n) : _mm512_srli_epi32(words, -n);
 }
-// The 4-bit q at bits [at, at + 4) of each word as the float 1 + q/16, exactly: q put at the top of the mantissa
-// of 1.0 (two operations, where converting q itself takes three).
-inline Vec16 nibble_plus_one16(Nibbles16 words, int at) {
-  const __m512i q = shift_words(words.v, 19 - at);  // (q & mask) | one: vpternlogd's 0xEA
-  return {_mm512_castsi512_ps(
-      _mm512_ternarylogic_epi32(q, _mm512_set1_epi32(15 << 19), _mm512_set1_epi32(0x3F800000), 0xEA))};
+// The 4-bit q at bits [at, at + 4) of each word as a float, exactly, in two operations: masked in place and
+// converted, q 2^at; the top one (at 28, whose mask would take the sign bit) shifted down and converted, q.
+inline Vec16 nibble_in_place16(Nibbles16 words, int at) {
+  const __m512i q = at == 28 ? _mm512_srli_epi32(words.v, 28) : _mm512_and_si512(words.v, _mm512_set1_epi32(15 << at));
+  return {_mm512_cvtepi32_ps(q)};
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -242,13 +242,12 @@ inline Nibbles16 load_nibbles16(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
 }
-inline __m256 nibble_plus_one8(__m256i words, int at) {
-  const __m256i q = at <= 19 ? _mm256_slli_epi32(words, 19 - at) : _mm256_srli_epi32(words, at - 19);
-  const __m256i mantissa = _mm256_and_si256(q, _mm256_set1_epi32(15 << 19));
-  return _mm256_castsi256_ps(_mm256_or_si256(mantissa, _mm256_set1_epi32(0x3F800000)));
+inline __m256 nibble_in_place8(__m256i words, int at) {
+  const __m256i q = at == 28 ? _mm256_srli_epi32(words, 28) : _mm256_and_si256(words, _mm256_set1_epi32(15 << at));
+  return _mm256_cvtepi32_ps(q);
 }
-inline Vec16 nibble_plus_one16(Nibbles16 words, int at) {
-  return {nibble_plus_one8(words.lo, at), nibble_plus_one8(words.hi, at)};
+inline Vec16 nibble_in_place16(Nibbles16 words, int at) {
+  return {nibble_in_place8(words.lo, at), nibble_in_place8(words.hi, at)};
 }
 
 #else
@@ -319,8 +318,8 @@ inline Nibbles16 load_nibbles16(const uint8_t* p) {
   std::memcpy(words.v, p, sizeof(words.v));
   return words;
 }
-inline Vec16 nibble_plus_one16(Nibbles16 words, int at) {
-  return each16([&](int i) { return 1.f + float((words.v[i] >> at) & 15) / 16; });
+inline Vec16 nibble_in_place16(Nibbles16 words, int at) {
+  return each16([&](int i) { return float(at == 28 ? words.v[i] >> 28 : words.v[i] & (15u << at)); });
 }
 #endif
 
