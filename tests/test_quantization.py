@@ -151,14 +151,12 @@ def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
                                                                          symmetric):
     """Rows 1..33 (every split of the 2-row, 4-row and 8-row tiles and each remainder) and 300, partial tiles of
     blocks (3 and 7 blocks), one to five groups of 32 inputs, with and without bias, NaN in out before each call;
-    with a minimum per group, and without (a Q4_0 file's weight: min = -8 scale).
-    The kernel sums x (1 + q/16) per group and makes them sums of x w at the group's end, 16 scale times those
-    plus (min - 16 scale) sum(x): its float32 sums hold terms up to x (48 scale + |min|)."""
+    with a minimum per group, and without (a Q4_0 file's weight: min = -8 scale)."""
     torch.manual_seed(out_features)
     q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
     minimum = None if symmetric else minimum
     packed, wide = pack_steps(q), dequantize_int4(q, scale, minimum)
-    summed = (48 * scale.float() + (8 * scale if symmetric else minimum).float().abs()).repeat_interleave(32, dim=1)
+    summed = int4_terms(scale, minimum, dtype)
     for rows in [*range(1, 34), 300]:
         x = torch.randn(rows, in_features, dtype=dtype)
         for bias in (None, torch.randn(out_features, dtype=dtype)):
@@ -167,15 +165,25 @@ def test_the_int4_kernel_gives_the_dequantized_product_at_every_row_count(cpu_op
             assert_dequantized_product(out, x, wide, bias, summed)
 
 
+def int4_terms(scale: torch.Tensor, minimum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Per weight, the largest multiple of |x| the 4-bit kernel's float32 sums hold (assert_dequantized_product's
+    ``summed``): it sums x q per group, then scale partial + min sum(x), so 15 scale + |min|; bfloat16 x in pairs
+    (AVX512-BF16) sums x (1 + q/16), then 16 scale partial + (min - 16 scale) sum(x), so 48 scale + |min|."""
+    minimum = -8 * scale.float() if minimum is None else minimum.float()
+    return ((48 if dtype == torch.bfloat16 else 16) * scale.float() + minimum.abs()).repeat_interleave(32, dim=1)
+
+
 @pytest.mark.parametrize("dtype", ACTIVATIONS, ids=["fp32", "bf16", "fp16"])
-def test_the_4_bit_kernel_cuts_a_large_x_into_panels_each_with_its_own_group_sums(cpu_ops, dtype):
+@pytest.mark.parametrize("symmetric", [False, True], ids=["min", "no-min"])
+def test_the_4_bit_kernel_cuts_a_large_x_into_panels_each_with_its_own_group_sums(cpu_ops, dtype, symmetric):
     """An x over 1 MiB (a prompt's, at the size of a core's L2) is cut into panels of rows: each panel's rows add
     their own sums of x per group (a panel that read the first panel's gave outputs off by hundreds)."""
     torch.manual_seed(1)
     rows, out_features, in_features = 640, 32, 1024
     q, scale, minimum = quantize_int4(torch.randn(out_features, in_features) + torch.randn(out_features, 1))
+    minimum = None if symmetric else minimum
     wide = dequantize_int4(q, scale, minimum)
-    summed = (48 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    summed = int4_terms(scale, minimum, dtype)
     x = torch.randn(rows, in_features, dtype=dtype) + 1
     out = torch.full((rows, out_features), float("nan"), dtype=dtype)
     cpu_ops.linear(x, pack_steps(q), *tiled_scales(q, scale, minimum), None, out)
@@ -183,7 +191,7 @@ def test_the_4_bit_kernel_cuts_a_large_x_into_panels_each_with_its_own_group_sum
     assert_dequantized_product(out, x, wide, None, summed)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4 symmetric"])
 @pytest.mark.parametrize("kernel", ["tiled", "float32", "torch"])
 def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, kind, kernel):
     """Our kernel, the weight dequantized into the shared scratch, and the oracle's plain dequantize-then-F.linear."""
@@ -194,6 +202,7 @@ def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, 
         minimum, wide_weight = None, dequantize(q, scale)
     else:
         q, scale, minimum = quantize_int4(torch.randn(64, 64))
+        minimum = None if kind == "int4 symmetric" else minimum
         wide_weight = dequantize_int4(q, scale, minimum)
     bias = torch.randn(64, dtype=torch.bfloat16)
     choice = only_kernel(q, kernel, ops, scale, minimum)
@@ -202,7 +211,7 @@ def test_every_quantized_kernel_through_linear_takes_views_and_batches(cpu_ops, 
     wide = torch.randn(2, 3, 96, dtype=torch.bfloat16)
     out = linear(wide[..., :64], q, bias, choice)
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
-    summed = None if minimum is None else (48 * scale.float() + minimum.float().abs()).repeat_interleave(32, dim=1)
+    summed = None if kind == "int8" else int4_terms(scale, minimum, torch.bfloat16)
     assert_dequantized_product(out.view(6, 64), wide[..., :64].reshape(6, 64), wide_weight, bias, summed)
 
 

@@ -10,10 +10,8 @@ from torch import nn
 def inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
     inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     rope_type = rope.get("rope_type", "default")
-    if "frequency_factors" in rope:  # a GGUF file's Llama 3.1 scaling (utils/gguf_file.py): each frequency's divisor
-        return inv_freq / torch.tensor(rope["frequency_factors"], dtype=torch.float)
-    if rope_type == "default":
-        return inv_freq
+    if rope_type == "default":  # a GGUF file's Llama 3.1 scaling (utils/gguf_file.py): each frequency's divisor
+        return inv_freq / torch.tensor(rope.get("frequency_factors", 1.0), dtype=torch.float)
     if rope_type == "llama3":
         return llama3_scaled(inv_freq, rope)
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)")

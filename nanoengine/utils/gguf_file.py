@@ -19,13 +19,14 @@ Type = GGMLQuantizationType
 ARCHITECTURES = {"llama": (LlamaConfig, "LlamaForCausalLM"), "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
                  "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
 # The weight types the engine loads, by the format a linear layer keeps them in (docs/quantization.md): 4-bit (the
-# file's nibbles, a float16 scale and minimum per 32), int8 per output row (requantized), or the model's dtype.
+# file's nibbles, a float16 scale and minimum per 32, none for an all-Q4_0 layer), int8 per output row (requantized),
+# or the model's dtype.
 # llama-quantize writes Q5_0/Q5_1 beside Q4_K/Q5_K where a row is not a multiple of 256 (SmolLM2's 576).
 FOUR_BIT_TYPES = {Type.Q4_0, Type.Q4_1, Type.Q4_K}
-# Llama 3.1's rope scaling as llama.cpp's converter writes it: a factor per frequency, which it divides
-ROPE_FACTORS = "rope_freqs.weight"
 EIGHT_BIT_TYPES = {Type.Q8_0, Type.Q6_K, Type.Q5_0, Type.Q5_1, Type.Q5_K}
 FLOAT_TYPES = {Type.F32, Type.F16, Type.BF16}
+# Llama 3.1's rope scaling as llama.cpp's converter writes it: a divisor per rotary frequency, as llama.cpp applies it
+ROPE_FACTORS = "rope_freqs.weight"
 # general.file_type -> what dtype="auto" picks: a float file's own type, else (the quantized files) bfloat16
 AUTO_DTYPES = {LlamaFileType.ALL_F32: "float32", LlamaFileType.MOSTLY_F16: "float16"}
 # llama.cpp's tensor names -> Hugging Face's (blk.N.<part> -> model.layers.N.<ours>)
@@ -57,7 +58,7 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
     if rope_scaling != "none":
         raise ValueError(f"{path}: {architecture}.rope.scaling.type {rope_scaling!r} is not supported in a GGUF file "
                          "(Llama 3.1's scaling, a rope_freqs.weight tensor, is)")
-    for tensor in weight_tensors(reader):
+    for tensor in model_tensors(reader):
         check_type(tensor.name, tensor.tensor_type)
         hf_name(tensor.name)
     heads = key("attention.head_count")
@@ -85,7 +86,7 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
     return config
 
 
-def weight_tensors(reader: GGUFReader) -> list:
+def model_tensors(reader: GGUFReader) -> list:
     """The file's tensors that are the model's weights (all but Llama 3.1's rope factors)."""
     return [tensor for tensor in reader.tensors if tensor.name != ROPE_FACTORS]
 

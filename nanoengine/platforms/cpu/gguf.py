@@ -27,15 +27,16 @@ from nanoengine.utils.gguf_file import (
     as_float32,
     four_bit,
     hf_name,
-    weight_tensors,
+    model_tensors,
 )
 from nanoengine.utils.loader import check_all_loaded, load_tensor, target_of
 
 GROUP = 32  # the inputs per scale of every 4-bit type a file holds (Q4_K's 6-bit sub-block scales too)
+FOUR_BIT_FORMATS = ("int4", "int4 symmetric")  # with a minimum per group, and without (an all-Q4_0 layer's)
 
 
 def load_gguf(model: nn.Module, reader: GGUFReader, config: PretrainedConfig) -> None:
-    tensors = {hf_name(t.name): t for t in weight_tensors(reader)}  # names and types checked by gguf_config
+    tensors = {hf_name(t.name): t for t in model_tensors(reader)}  # names and types checked by gguf_config
     embeddings = tensors["model.embed_tokens.weight"]
     if "lm_head.weight" not in tensors and embeddings.tensor_type in FOUR_BIT_TYPES | EIGHT_BIT_TYPES:
         tensors["lm_head.weight"] = embeddings
@@ -80,10 +81,10 @@ def give_storage(module: nn.Module, fmt: str) -> None:
     rows, inputs = module.weight.shape
     loader = module.weight.weight_loader
     groups = ((rows, inputs // GROUP), torch.float16)
-    shapes = ({"weight": ((rows, inputs // 2), torch.uint8), "weight_scale": groups, "weight_min": groups}
-              if fmt.startswith("int4") else {"weight": ((rows, inputs), torch.float32)})
-    if fmt == "int4 symmetric":
-        del shapes["weight_min"]
+    shapes = ({"weight": ((rows, inputs // 2), torch.uint8), "weight_scale": groups} if fmt in FOUR_BIT_FORMATS
+              else {"weight": ((rows, inputs), torch.float32)})
+    if fmt == "int4":
+        shapes["weight_min"] = groups
     for name, (shape, dtype) in shapes.items():
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device=module.weight.device), requires_grad=False)
         param.weight_loader = loader
@@ -93,11 +94,11 @@ def give_storage(module: nn.Module, fmt: str) -> None:
 def parts(name: str, tensor, fmt: str | None, config: PretrainedConfig):
     """(name, value) of what the model loads from one tensor of the file: a 4-bit weight's packed values, scales
     and minimums, or the tensor's values in float32."""
-    if fmt in ("int4", "int4 symmetric"):
+    if fmt in FOUR_BIT_FORMATS:
         q, scale, minimum = (unpermuted(name, value, config) for value in four_bit(tensor.data, tensor.tensor_type))
         stem = name.removesuffix(".weight")
-        kept = [(name, pack_int4(q, GROUP)), (f"{stem}.weight_scale", scale), (f"{stem}.weight_min", minimum)]
-        return kept[:2] if fmt == "int4 symmetric" else kept
+        kept = [(name, pack_int4(q, GROUP)), (f"{stem}.weight_scale", scale)]
+        return kept + [(f"{stem}.weight_min", minimum)] * (fmt == "int4")
     return [(name, unpermuted(name, as_float32(tensor.data, tensor.tensor_type), config))]
 
 

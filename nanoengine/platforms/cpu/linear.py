@@ -52,7 +52,7 @@ class KernelChoice:
     steps: torch.Tensor | None = None  # the weight in cpu_linear.cpp's layout, where a bucket uses "tiled"
     cpu_ops: ModuleType | None = None  # the extension that holds cpu_linear.cpp
     scale: torch.Tensor | None = None  # an int8 weight's float32 scale per output, a 4-bit one's per group
-    minimum: torch.Tensor | None = None  # a 4-bit weight's minimum per group (quantize.py), but a symmetric one's
+    minimum: torch.Tensor | None = None  # a 4-bit weight's minimum per group (quantize.py); None for a symmetric one
     steps_scale: torch.Tensor | None = None  # ``scale`` as "tiled" reads it (tiled_scales)
     steps_min: torch.Tensor | None = None  # ``minimum`` as "tiled" reads it
 

@@ -66,7 +66,7 @@ def layer_caches(attn: Attention) -> list[torch.Tensor]:
 
 def layer_weights(layer: DecoderLayer) -> list[torch.Tensor | None]:
     """A layer's weights in cpu_decoder.cpp's order (the linear layers' packed for cpu_linear.cpp, each followed by
-    its scale and minimum: the scale where it is int8 or 4-bit, the minimum where it is 4-bit)."""
+    its scale and minimum: the scale where it is int8 or 4-bit, the minimum where it is 4-bit with minimums)."""
     attention, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = (None if norm is None else norm.weight for norm in (attention.q_norm, attention.k_norm))
     qkv, o, gate_up, down = ([getattr(m.kernel_choice, name, None) for name in ("steps", "steps_scale", "steps_min")]

@@ -11,7 +11,7 @@
 namespace {
 
 // Each layer's entries in ``weights``, in this order; an absent bias or norm is None, and so is the scale of a
-// weight that is neither int8 nor 4-bit, and the minimum of a weight that is not 4-bit.
+// weight that is neither int8 nor 4-bit, and the minimum of a weight that is not 4-bit or is symmetric (-8 scale).
 enum Weight {
   kInputNorm, kQkv, kQkvScale, kQkvMin, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOMin, kOBias, kPostNorm, kGateUp,
   kGateUpScale, kGateUpMin, kDown, kDownScale, kDownMin, kPerLayer

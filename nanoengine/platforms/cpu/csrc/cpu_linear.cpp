@@ -56,7 +56,8 @@ struct Step<int8_t> {
 
 // 4-bit (W4A16): a step is eight inputs of 16 outputs, one 32-bit word per output: input 2p's q (p = 0..3) at bits
 // [4p, 4p + 4), input 2p + 1's at bits [16 + 4p, 20 + 4p). Each q is widened where it lies, as q 2^at (two
-// operations: nibble_in_place16), and meets x pre-scaled by 2^-at (exact: a power of two), in float32 FMAs into
+// operations: nibble_in_place16), and meets x pre-scaled by 2^-at (exact: a power of two, for any |x| over 2^-102,
+// where the scaled x stays a normal float), in float32 FMAs into
 // partial sums of x q per group of 32 inputs, which become sums of x w at the group's end (add_group):
 // sum(x w) = scale partial + min sum(x). Widening is the cost that limits few rows: shifting each q under 1.0's
 // exponent first (1 + q/16) took three operations with AVX2, and one row ran at 0.75x the memory's speed.
@@ -68,13 +69,15 @@ struct Step<Int4> {
   static constexpr int inputs = 8;
 };
 template <typename W>
-constexpr bool kGrouped = false;  // a scale and a minimum per output and group of 32 inputs
+constexpr bool kGrouped = false;  // a scale and a minimum (or none: -8 scale) per output and group of 32 inputs
 template <>
 constexpr bool kGrouped<Int4> = true;
 constexpr int64_t kStepsPerGroup = 4;
 constexpr int kNibbleAt[8] = {0, 16, 4, 20, 8, 24, 12, 28};  // the bits of each input of a step
-// What nibble_in_place16 multiplies each input of a step's q by: 2^at, but the top one's, shifted down.
-constexpr float nibble_weight(int input) { return kNibbleAt[input] == 28 ? 1.f : float(1u << kNibbleAt[input]); }
+// What each input of a step's x is multiplied by to meet its q as nibble_in_place16 widens it (q 2^at, but the top
+// one shifted down: q), twice over: 16 inputs, as a Vec16 of x reads them.
+constexpr float kInputScales[16] = {1.f, 0x1p-16f, 0x1p-4f, 0x1p-20f, 0x1p-8f, 0x1p-24f, 0x1p-12f, 1.f,
+                                    1.f, 0x1p-16f, 0x1p-4f, 0x1p-20f, 0x1p-8f, 0x1p-24f, 0x1p-12f, 1.f};
 
 #if defined(__AVX512BF16__)
 // With AVX512-BF16 a bfloat16 step is a pair of inputs (k, k + 1), which `vdpbf16ps` multiplies by a broadcast
@@ -222,7 +225,8 @@ void dense_tile(const Operands<W, T>& op, int64_t row, int64_t block, int64_t ah
 template <int R, int V>
 constexpr int kPartialSets = 3 * R * V <= kAccumulators ? 2 : 1;
 
-// One step of a 4-bit weight: each row's x times 1 + q/16 of each block, added into ``partial``.
+// One step of a 4-bit weight: each row's x times each block's q (x pre-scaled, Int4) or 1 + q/16 (Int4Pairs), added
+// into ``partial``.
 template <typename W, typename T, int R, int V>
 void multiply_add_nibbles(const Operands<W, T>& op, int64_t row, int64_t s, const W* const* streams,
                           Vec16 (&partial)[kPartialSets<R, V>][R][V]) {
@@ -269,9 +273,12 @@ void add_group(const Operands<W, T>& op, int64_t row, int64_t block, int64_t gro
   const int64_t groups = op.steps / kStepsPerGroup;
   for (int v = 0; v < V; ++v) {
     const int64_t at = ((block + v) * groups + group) * kLanes;
-    const Vec16 scale = load16(op.group_scale + at) * broadcast16(kPairs<W> ? 16.f : 1.f);
-    const Vec16 minimum = op.group_min ? load16(op.group_min + at) : load16(op.group_scale + at) * broadcast16(-8.f);
-    const Vec16 offset = kPairs<W> ? minimum - scale : minimum;
+    Vec16 scale = load16(op.group_scale + at);
+    Vec16 offset = op.group_min ? load16(op.group_min + at) : scale * broadcast16(-8.f);  // the minimum
+    if constexpr (kPairs<W>) {
+      scale = scale * broadcast16(16.f);
+      offset = offset - scale;
+    }
     for (int r = 0; r < R; ++r) {
       Vec16 both = partial[0][r][v];
       for (int set = 1; set < kPartialSets<R, V>; ++set) both = both + partial[set][r][v];
@@ -370,18 +377,20 @@ void run(const Operands<W, T>& op) {
   });
 }
 
-// What x's inputs are multiplied by to meet a step's q as nibble_in_place16 widens them: 2^-at, exactly.
-at::Tensor nibble_scales(int64_t inputs) {
-  std::vector<float> scales(inputs);
-  for (int64_t k = 0; k < inputs; ++k) scales[k] = 1.f / nibble_weight(int(k % 8));
-  return at::from_blob(scales.data(), {inputs}, at::kFloat).clone();
-}
-
-// The sum of each group of 32 of ``count`` inputs (as the kernel reads them: bfloat16 x widened exactly).
+// The sum of each group of 32 of ``count`` inputs (as the kernel reads them: bfloat16 x widened exactly); where
+// ``scaled`` is given, x widened to float32 into it, times kInputScales (Int4's x).
 template <typename X>
-std::vector<float> group_sums(const X* x, int64_t count) {
+std::vector<float> group_sums(const X* x, int64_t count, float* scaled = nullptr) {
   std::vector<float> sums(count / 32);
-  for (size_t g = 0; g < sums.size(); ++g) sums[g] = reduce_add16(load16(x + 32 * g) + load16(x + 32 * g + 16));
+  const Vec16 scales = load16(kInputScales);
+  for (size_t g = 0; g < sums.size(); ++g) {
+    const Vec16 first = load16(x + 32 * g), second = load16(x + 32 * g + 16);
+    sums[g] = reduce_add16(first + second);
+    if (scaled) {
+      store16(scaled + 32 * g, first * scales);
+      store16(scaled + 32 * g + 16, second * scales);
+    }
+  }
   return sums;
 }
 
@@ -412,10 +421,14 @@ template <typename W, typename T = W>
 void linear_as(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                const c10::optional<at::Tensor>& minimum, const c10::optional<at::Tensor>& bias,
                const at::Tensor& out) {
-  at::Tensor input = kPairs<W> ? x : x.to(at::kFloat);
-  const bool grouped = kGrouped<W>;
-  const std::vector<float> x_sums = grouped ? group_sums(input.data_ptr<Input<W>>(), x.numel()) : std::vector<float>();
-  if constexpr (std::is_same_v<W, Int4>) input = input * nibble_scales(x.size(1));
+  constexpr bool grouped = kGrouped<W>, scaled = std::is_same_v<W, Int4>;
+  const at::Tensor input =
+      kPairs<W> ? x : scaled ? at::empty(x.sizes(), x.options().dtype(at::kFloat)) : x.to(at::kFloat);
+  std::vector<float> x_sums;
+  if constexpr (scaled)
+    x_sums = group_sums(x.data_ptr<T>(), x.numel(), input.data_ptr<float>());
+  else if constexpr (grouped)
+    x_sums = group_sums(input.data_ptr<Input<W>>(), x.numel());
   run_in_tiles(Operands<W, T>{input.data_ptr<Input<W>>(), static_cast<const W*>(packed.data_ptr()),
                               scale && !grouped ? scale->data_ptr<float>() : nullptr,
                               grouped ? scale->data_ptr<at::Half>() : nullptr,
@@ -457,7 +470,7 @@ void check_groups(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 
 // The weight dtypes this build multiplies: float32 and bfloat16 (bfloat16 in dpbf16 with AVX512-BF16), int8
 // (with a float32 scale per output; x float32, bfloat16 or float16) and 4-bit, "int4" (uint8 pairs of nibbles,
-// with a float16 scale and minimum per output and group of 32 inputs; x as for int8).
+// with a float16 scale and minimum, or none (-8 scale), per output and group of 32 inputs; x as for int8).
 std::vector<std::string> linear_dtypes() {
   std::vector<std::string> dtypes;
   for (const auto& [dtype, name] :
