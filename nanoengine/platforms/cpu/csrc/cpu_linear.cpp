@@ -57,10 +57,10 @@ struct Step<int8_t> {
 // 4-bit (W4A16): a step is eight inputs of 16 outputs, one 32-bit word per output: input 2p's q (p = 0..3) at bits
 // [4p, 4p + 4), input 2p + 1's at bits [16 + 4p, 20 + 4p). Each q is widened where it lies, as q 2^at (two
 // operations: nibble_in_place16), and meets x pre-scaled by 2^-at (exact: a power of two, for any |x| over 2^-102,
-// where the scaled x stays a normal float), in float32 FMAs into
-// partial sums of x q per group of 32 inputs, which become sums of x w at the group's end (add_group):
-// sum(x w) = scale partial + min sum(x). Widening is the cost that limits few rows: shifting each q under 1.0's
-// exponent first (1 + q/16) took three operations with AVX2, and one row ran at 0.75x the memory's speed.
+// where the scaled x stays a normal float) in float32 FMAs, into partial sums of x q per group of 32 inputs, which
+// become sums of x w at the group's end (add_group): sum(x w) = scale partial + min sum(x). Widening is the cost
+// that limits few rows: shifting each q under 1.0's exponent first (1 + q/16) took three operations with AVX2, and
+// one row ran at 0.75x the memory's speed.
 struct Int4 {
   uint8_t byte;
 };
