@@ -76,9 +76,9 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id", None),
         dtype=AUTO_DTYPES.get(file_type, "bfloat16"))
-    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
-    if factors is not None:  # set after validation: Hugging Face's rope parameters have no such key
-        factors = as_float32(factors.data, factors.tensor_type).flatten().tolist()
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    if rope_freqs is not None:  # set after validation: Hugging Face's rope parameters have no such key
+        factors = as_float32(rope_freqs.data, rope_freqs.tensor_type).flatten().tolist()
         if len(factors) != config.head_dim // 2:
             raise ValueError(f"{path}: {ROPE_FACTORS} holds {len(factors)} factors, not head_dim / 2 = "
                              f"{config.head_dim // 2}")

@@ -98,7 +98,9 @@ def parts(name: str, tensor, fmt: str | None, config: PretrainedConfig):
         q, scale, minimum = (unpermuted(name, value, config) for value in four_bit(tensor.data, tensor.tensor_type))
         stem = name.removesuffix(".weight")
         kept = [(name, pack_int4(q, GROUP)), (f"{stem}.weight_scale", scale)]
-        return kept + [(f"{stem}.weight_min", minimum)] * (fmt == "int4")
+        if fmt == "int4":
+            kept.append((f"{stem}.weight_min", minimum))
+        return kept
     return [(name, unpermuted(name, as_float32(tensor.data, tensor.tensor_type), config))]
 
 

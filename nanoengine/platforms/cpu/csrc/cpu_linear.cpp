@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,9 +76,13 @@ constexpr bool kGrouped<Int4> = true;
 constexpr int64_t kStepsPerGroup = 4;
 constexpr int kNibbleAt[8] = {0, 16, 4, 20, 8, 24, 12, 28};  // the bits of each input of a step
 // What each input of a step's x is multiplied by to meet its q as nibble_in_place16 widens it (q 2^at, but the top
-// one shifted down: q), twice over: 16 inputs, as a Vec16 of x reads them.
-constexpr float kInputScales[16] = {1.f, 0x1p-16f, 0x1p-4f, 0x1p-20f, 0x1p-8f, 0x1p-24f, 0x1p-12f, 1.f,
-                                    1.f, 0x1p-16f, 0x1p-4f, 0x1p-20f, 0x1p-8f, 0x1p-24f, 0x1p-12f, 1.f};
+// one shifted down: q), for 16 inputs, as a Vec16 of x reads them.
+constexpr std::array<float, 16> input_scales() {
+  std::array<float, 16> scales{};
+  for (int i = 0; i < 16; ++i) scales[i] = kNibbleAt[i % 8] == 28 ? 1.f : 1.f / float(1u << kNibbleAt[i % 8]);
+  return scales;
+}
+constexpr std::array<float, 16> kInputScales = input_scales();
 
 #if defined(__AVX512BF16__)
 // With AVX512-BF16 a bfloat16 step is a pair of inputs (k, k + 1), which `vdpbf16ps` multiplies by a broadcast
@@ -382,7 +387,7 @@ void run(const Operands<W, T>& op) {
 template <typename X>
 std::vector<float> group_sums(const X* x, int64_t count, float* scaled = nullptr) {
   std::vector<float> sums(count / 32);
-  const Vec16 scales = load16(kInputScales);
+  const Vec16 scales = load16(kInputScales.data());
   for (size_t g = 0; g < sums.size(); ++g) {
     const Vec16 first = load16(x + 32 * g), second = load16(x + 32 * g + 16);
     sums[g] = reduce_add16(first + second);
